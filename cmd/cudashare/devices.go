@@ -1,0 +1,69 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/seed743c36cf/cudashare/driver"
+)
+
+func runDevices(args []string, stdout, stderr io.Writer) int {
+	fs, backend := newFlagSet("devices", stderr)
+	if err := fs.Parse(args); err != nil {
+		return exitUsage
+	}
+	d, err := driver.Open(driver.Config{Backend: *backend})
+	if err != nil {
+		fmt.Fprintf(stderr, "cudashare: %v\n", err)
+		return exitNoDriver
+	}
+	version, _ := d.Version()
+	fmt.Fprintf(stdout, "driver: %s (%s), CUDA driver API %d\n", d.Backend(), d.Reason(), version)
+	devs, err := d.Devices()
+	if err != nil {
+		fmt.Fprintf(stderr, "cudashare: %v\n", err)
+		return exitFailure
+	}
+	for _, dev := range devs {
+		name, _ := dev.Name()
+		mem, _ := dev.TotalMem()
+		major, _ := dev.Attribute(driver.AttrComputeCapabilityMajor)
+		minor, _ := dev.Attribute(driver.AttrComputeCapabilityMinor)
+		ipc, _ := dev.Attribute(driver.AttrIpcEventSupported)
+		fmt.Fprintf(stdout, "  %d  %s  %s  %.1f GiB  sm_%d%d  ipc-events=%d\n", dev.Ordinal(), dev.UUID(), name, float64(mem)/(1<<30), major, minor, ipc)
+	}
+	if len(devs) < 2 {
+		return exitOK
+	}
+	fmt.Fprintln(stdout, "peer links (src -> dst): access, rank, native atomics, array access, partial atomics; atomic caps per op")
+	for _, a := range devs {
+		for _, b := range devs {
+			if a == b {
+				continue
+			}
+			can, err := a.CanAccessPeer(b)
+			if err != nil {
+				fmt.Fprintf(stdout, "  %d -> %d: %v\n", a.Ordinal(), b.Ordinal(), err)
+				continue
+			}
+			var attrs []string
+			for _, at := range []driver.P2PAttribute{driver.P2PAccessSupported, driver.P2PPerformanceRank, driver.P2PNativeAtomicSupported, driver.P2PCudaArrayAccessSupported, driver.P2POnlyPartialNativeAtomicSupport} {
+				v, err := a.P2PAttribute(at, b)
+				if err != nil {
+					attrs = append(attrs, "err")
+					continue
+				}
+				attrs = append(attrs, fmt.Sprint(v))
+			}
+			ops := []driver.AtomicOperation{driver.AtomicIntegerAdd, driver.AtomicCAS, driver.AtomicFloatAdd}
+			caps, err := a.P2PAtomicCapabilities(b, ops...)
+			capStr := fmt.Sprint(err)
+			if err == nil {
+				capStr = fmt.Sprintf("add=%#x cas=%#x fadd=%#x", caps[0], caps[1], caps[2])
+			}
+			fmt.Fprintf(stdout, "  %d -> %d: can-access=%v  [%s]  %s\n", a.Ordinal(), b.Ordinal(), can, strings.Join(attrs, " "), capStr)
+		}
+	}
+	return exitOK
+}

@@ -1,0 +1,118 @@
+// Package sim is the simulated CUDA driver: a pure-Go implementation of
+// api.API that shares "device memory" between real processes, for machines
+// without a GPU and for CI. It keeps the real driver's return codes and
+// lifetime rules, and is strict where the real driver is undefined: those
+// are the bugs cudashare exists to prevent, so the sim refuses them, records
+// them as violations (api.Strict), and leaves memory intact.
+//
+// # Configuration
+//
+// New reads the environment; NewWithConfig takes a Config.
+//
+//   - CUDASHARE_SIM_DIR: the state directory, default DefaultDir()
+//     (/dev/shm/cudashare-sim-<uid>). Every process that points at the same
+//     directory shares one simulated machine. It is created 0700 and refused
+//     if another user owns it or may write it.
+//   - CUDASHARE_SIM_TOPOLOGY: the machine, as JSON (see Topology) or a bare
+//     device count. Default: two "cudashare sim GPU" devices of 4 GiB,
+//     compute capability 9.0, peer access both ways, performance rank 0,
+//     native atomics: a two-H200 NVLink box. UUIDs derive from the topology,
+//     so every process agrees on them.
+//   - CUDA_VISIBLE_DEVICES: renumbers the devices of this process as CUDA
+//     does (ordinals or GPU-<uuid prefix>; the list ends at the first entry
+//     that names no device). IPC handles of hidden devices still open, with
+//     peer rules applied between the host-global devices.
+//
+// Every process sharing a directory must use the same topology; New fails on
+// a mismatch. Each Driver is one simulated process, also when one OS process
+// makes several (as tests do).
+//
+// # Shared state
+//
+// Three kinds of file live in the state directory:
+//
+//   - registry: a fixed-size table (8192 allocation slots) mmap'd MAP_SHARED
+//     by every process and changed only under an exclusive flock on it. A
+//     slot holds the allocation's global buffer id (never reused in the
+//     directory), a random nonce, the owner (pid, Driver instance, process
+//     start time from /proc/<pid>/stat), the host-global device, the size,
+//     a state (live, or orphaned: owner gone but still mapped elsewhere) and
+//     a table of up to 32 mapper processes with their mapping counts. Device
+//     memory in use is the sum over slots, so it is never out of step with
+//     them.
+//   - buf-<id>: one sparse file per allocation, mmap'd MAP_SHARED by its owner
+//     and by every process that opens its IPC handle, so bytes written by one
+//     process are read by another. Copies, sets and reads are plain memory
+//     operations on these mappings.
+//   - violations.jsonl: the violation log, one JSON line per O_APPEND write,
+//     so lines from concurrent processes never interleave.
+//
+// A process that is gone (its pid has no /proc entry, is a zombie, or was
+// reused: the start time differs) counts as having unmapped everything, as
+// process exit does, and as having freed its allocations once no live
+// process maps them. Nothing waits for that: entries are swept lazily, when
+// an allocation would not fit, when a free or an open looks at a slot, and
+// in cuMemGetInfo. A process killed in the middle of a registry update can
+// leave that one slot inconsistent; the flock itself dies with it.
+//
+// Why this design: an mmap'd table under flock needs no daemon and no
+// socket, survives any process being killed (the kernel drops its lock and
+// its mappings), and costs one flock and a few /proc reads per allocation,
+// free, open or close, which are not on the handoff path.
+//
+// # Addresses
+//
+// Device pointers are simulated addresses local to a process: host-global
+// device n owns the region 0x7f00_0000_0000 + n<<40, and allocations and
+// mappings take the lowest free range of 2 MiB granules there, so a freed
+// range is handed out again, as cuMemAlloc does. Each allocation, and each
+// IPC open that maps, gets a fresh CU_POINTER_ATTRIBUTE_BUFFER_ID, so
+// address reuse can be told apart. The sim remembers freed and closed
+// ranges, to name the violation when one is used again.
+//
+// # Contexts, threads and the hot path
+//
+// The current context belongs to the OS thread (gettid), on a per-thread
+// stack as in CUDA: cuCtxCreate pushes, cuCtxDestroy of the current context
+// and cuCtxSetCurrent(NULL) pop, cuCtxSetCurrent replaces the top. A primary
+// context keeps one handle for the life of the process; released to zero it
+// is inactive (CUDA_ERROR_CONTEXT_IS_DESTROYED) until retained again.
+//
+// Contexts, streams and events are handles into lock-free tables;
+// cuCtxGetCurrent, cuEventRecord, cuStreamWaitEvent and cuEventQuery take no
+// lock, do no file I/O and allocate nothing (one gettid system call where
+// the current context is needed). Work is synchronous: a copy has completed
+// when its call returns, so a recorded event is complete.
+//
+// # Strictness
+//
+//   - cuMemFree of memory that another live process maps: refused with
+//     CUDA_ERROR_ILLEGAL_STATE, violation "free-while-mapped", memory intact.
+//     Destroying a context that owns such memory frees it anyway (the
+//     mappers keep it alive) and records the same violation.
+//   - cuIpcCloseMemHandle of a pointer this process did not open, or has
+//     closed as often as it opened: CUDA_ERROR_INVALID_VALUE and violation
+//     "close-unopened".
+//   - Copies and sets on a range that is not wholly inside one live
+//     allocation or mapping: CUDA_ERROR_INVALID_VALUE; if the address was
+//     freed or closed here, violation "access-after-free" or
+//     "access-after-close".
+//
+// # Where the codes come from
+//
+// The documentation pages, and probes of the real driver (580.159.04, CUDA
+// 13.0, on an H100 and on two H200s joined by NV18) for what they leave
+// open: which calls need a current context, the order in which arguments
+// are checked, the codes for stale, foreign and malformed handles, the
+// one-context-per-device IPC rule, the context stack, CUDA_VISIBLE_DEVICES
+// parsing. Method comments say "measured" for those. What is marked
+// "unverified" is the sim's choice where no probe has looked yet.
+//
+// # Limits
+//
+// Linux only (flock, mmap, /proc, gettid). At most 8192 live allocations on
+// the machine, 32 processes mapping one allocation (then
+// CUDA_ERROR_MAP_FAILED), 2^20 live contexts, streams and events per
+// process, 64 devices of at most 1 TiB. A kernel-reused thread id inherits
+// the old thread's current context.
+package sim
