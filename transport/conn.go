@@ -1,0 +1,844 @@
+//go:build linux
+
+package transport
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"slices"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// Conn is one handshaken connection between a producer and a consumer.
+//
+// One goroutine may call Recv while any number call the Send methods,
+// Flush, Shutdown and Close.
+//
+// Sends are queued and written by a writer goroutine owned by the Conn, so
+// that messages sent while a write is in progress leave together in the
+// next write; a send to an idle connection is written at once. A send
+// returns once the message is queued: an error writing it later fails the
+// connection, and the next call reports it. Flush waits until everything
+// queued has been written.
+//
+// A Conn enforces the protocol on what it receives (order, direction,
+// flow control) and on what it is asked to send. Any violation by the peer
+// fails the connection: Recv returns the error, the peer is sent an error
+// message when possible, and the socket is closed. Close must still be
+// called to release what the Conn holds.
+type Conn struct {
+	nc   *net.UnixConn
+	rc   syscall.RawConn
+	cfg  Config
+	peer Peer
+	desc string // the peer, for errors
+
+	// Receive side: rmu serializes Recv, and the fields to watch belong
+	// to whoever holds it.
+	rmu         sync.Mutex
+	rbuf        []byte
+	r, w        int   // unread bytes are rbuf[r:w]
+	fdq         []int // received descriptors no message has claimed yet
+	fdOut       [MaxFDs]int
+	dec         decoder
+	rerr        error // what ended receiving; sticky
+	bye         bool  // the peer said goodbye
+	handshaking bool
+	rd          readOp
+	watch       ctxWatch
+
+	// Send side and flow control, under mu.
+	mu               sync.Mutex
+	out, spare       []byte // queued frames; the writer swaps the two
+	outFDs, spareFDs []pendingFDs
+	queued, written  uint64        // bytes ever queued and written
+	progress         chan struct{} // closed on progress; made by a waiter
+	err              error         // the first failure: nothing is sent after it
+	saidBye          bool
+	// For a producer: window is what the consumer granted and outstanding
+	// the offers it has not released. For a consumer: the same, as this
+	// side has granted and released them.
+	window, outstanding uint64
+
+	wlock      sync.Mutex    // held while writing to the socket
+	kick       chan struct{} // wakes the writer
+	dying      chan struct{} // closed with the first failure
+	writerDone chan struct{}
+	closeOnce  sync.Once
+}
+
+// pendingFDs are descriptors that leave with the queued frame at off.
+type pendingFDs struct {
+	off int
+	fds []int
+}
+
+// readOp is a recvmsg call made through the RawConn. Its func is built
+// once per Conn so that a read does not allocate.
+type readOp struct {
+	fn      func(fd uintptr) bool
+	p, oob  []byte
+	n, oobn int
+	flags   int
+	errno   unix.Errno
+}
+
+// ctxWatch turns the cancellation of Recv's context into a read deadline
+// in the past, which interrupts a blocked read. It stays registered while
+// Recv is called with the same context, so a receive loop with one
+// long-lived context costs nothing per call.
+type ctxWatch struct {
+	mu    sync.Mutex
+	done  <-chan struct{} // of the context registered; rmu
+	stop  func() bool
+	gen   uint64
+	fired bool
+}
+
+const (
+	// errorWriteTimeout bounds the write of an error message to a peer
+	// that is being dropped.
+	errorWriteTimeout = 100 * time.Millisecond
+	minReadBuffer     = 64 << 10
+)
+
+var longAgo = time.Unix(1, 0)
+
+func newConn(nc *net.UnixConn, cfg Config, cred *unix.Ucred) (*Conn, error) {
+	rc, err := nc.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	c := &Conn{
+		nc:    nc,
+		rc:    rc,
+		cfg:   cfg,
+		peer:  Peer{UID: cred.Uid, GID: cred.Gid, PID: cred.Pid},
+		rbuf:  make([]byte, max(minReadBuffer, 2*(headerSize+cfg.MaxFrameSize))),
+		fdq:   make([]int, 0, MaxFDs),
+		kick:  make(chan struct{}, 1),
+		dying: make(chan struct{}),
+	}
+	c.desc = c.peer.String()
+	c.rd.oob = make([]byte, unix.CmsgSpace(MaxFDs*4))
+	c.rd.fn = func(fd uintptr) bool {
+		op := &c.rd
+		op.n, op.oobn, op.flags, op.errno = recvmsg(int(fd), op.p, op.oob)
+		return op.errno != unix.EAGAIN
+	}
+	return c, nil
+}
+
+// Peer returns what is known of the other side. Its Devices must not be
+// modified.
+func (c *Conn) Peer() Peer { return c.peer }
+
+// Credits returns how many more offers may be outstanding on the
+// connection now: the window the consumer granted less the offers not yet
+// released, as this side counts them. A producer reads it once after the
+// handshake to learn the consumer's initial window (Peer does not carry
+// it); a sharing layer that spreads offers over several consumers uses it
+// to pick one that can take an offer without waiting.
+func (c *Conn) Credits() uint64 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.outstanding >= c.window {
+		return 0
+	}
+	return c.window - c.outstanding
+}
+
+// --- Receiving ------------------------------------------------------------
+
+// Recv receives the next message into m. Slices in m (Offer.Meta, Seqs)
+// are views into the Conn's buffers, valid until the next Recv;
+// descriptors in m.Offer.FDs belong to the caller.
+//
+// Recv returns io.EOF after the peer's goodbye, once the peer has closed
+// the connection, and an error matching ErrDisconnected if the peer went
+// away without one. If ctx ends first, Recv returns ctx.Err() and the
+// connection stays usable. Any other error is final.
+func (c *Conn) Recv(ctx context.Context, m *Message) error {
+	c.rmu.Lock()
+	defer c.rmu.Unlock()
+	if c.rerr != nil {
+		return c.rerr
+	}
+	body, err := c.readFrame(ctx)
+	if err == nil {
+		var kind Kind
+		if kind, err = c.dec.decode(body, m); err == nil {
+			err = c.admit(kind, m)
+		}
+	}
+	if err != nil {
+		if ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
+			return err
+		}
+		return c.recvFailed(err)
+	}
+	return nil
+}
+
+// readFrame returns the body of the next frame, a view into rbuf.
+func (c *Conn) readFrame(ctx context.Context) ([]byte, error) {
+	for {
+		avail := c.w - c.r
+		need := headerSize
+		if avail >= headerSize {
+			n := binary.BigEndian.Uint32(c.rbuf[c.r:])
+			if n > uint32(c.cfg.MaxFrameSize) {
+				return nil, fmt.Errorf("%w: length %d, cap %d", ErrFrameTooLarge, n, c.cfg.MaxFrameSize)
+			}
+			if n == 0 {
+				return nil, malformed("empty frame")
+			}
+			need += int(n)
+			if avail >= need {
+				body := c.rbuf[c.r+headerSize : c.r+need : c.r+need]
+				c.r += need
+				return body, nil
+			}
+		} else if avail == 0 {
+			c.r, c.w = 0, 0
+			// Descriptors arrive with the first byte of the message
+			// that claims them, so with nothing buffered they are stray.
+			if len(c.fdq) > 0 {
+				return nil, malformed("%d descriptors arrived with no message", len(c.fdq))
+			}
+		}
+		if c.r+need > len(c.rbuf) {
+			c.w = copy(c.rbuf, c.rbuf[c.r:c.w])
+			c.r = 0
+		}
+		if err := c.fill(ctx, avail); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// fill reads what the socket has into rbuf[w:], waiting for at least a
+// byte; avail is the number of bytes of a partial frame buffered.
+func (c *Conn) fill(ctx context.Context, avail int) error {
+	if done := ctx.Done(); done != nil {
+		select {
+		case <-done:
+			return ctx.Err()
+		default:
+		}
+		if !c.handshaking {
+			c.armRead(ctx, done)
+		}
+	} else if c.watch.done != nil {
+		c.armRead(ctx, nil)
+	}
+	op := &c.rd
+	op.p = c.rbuf[c.w:]
+	if err := c.rc.Read(op.fn); err != nil {
+		switch {
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			if c.handshaking {
+				return fmt.Errorf("%w: no answer within %v", ErrHandshake, c.cfg.HandshakeTimeout)
+			}
+			// A deadline left by a context no longer watched.
+			return c.nc.SetReadDeadline(time.Time{})
+		case errors.Is(err, net.ErrClosed):
+			return c.failure()
+		}
+		return err
+	}
+	if op.errno != 0 {
+		if op.errno == unix.ECONNRESET && c.bye && avail == 0 {
+			// The peer closed with our messages unread: after its
+			// goodbye, that is still a clean end.
+			return io.EOF
+		}
+		if op.errno == unix.ECONNRESET {
+			return fmt.Errorf("%w: %w", ErrDisconnected, op.errno)
+		}
+		return fmt.Errorf("recvmsg: %w", op.errno)
+	}
+	if op.oobn > 0 || op.flags&unix.MSG_CTRUNC != 0 {
+		if err := c.takeFDs(op.oob[:op.oobn], op.flags); err != nil {
+			return err
+		}
+	}
+	if op.n == 0 {
+		switch {
+		case avail > 0:
+			return fmt.Errorf("%w: %w: frame cut off after %d bytes", ErrDisconnected, io.ErrUnexpectedEOF, avail)
+		case c.bye:
+			return io.EOF
+		}
+		return fmt.Errorf("%w: connection closed without goodbye", ErrDisconnected)
+	}
+	c.w += op.n
+	return nil
+}
+
+// takeFDs queues the descriptors of one recvmsg, or closes them and fails.
+func (c *Conn) takeFDs(oob []byte, flags int) error {
+	fds, err := parseRights(oob)
+	if err != nil {
+		return err
+	}
+	switch {
+	case flags&unix.MSG_CTRUNC != 0:
+		err = malformed("more than %d descriptors with one message", MaxFDs)
+	case !c.cfg.AcceptFDs:
+		err = fmt.Errorf("%w: %d descriptors, and this side did not advertise CapFDs", ErrUnexpectedMessage, len(fds))
+	case len(c.fdq)+len(fds) > MaxFDs:
+		err = malformed("%d descriptors pending, limit %d", len(c.fdq)+len(fds), MaxFDs)
+	}
+	if err != nil {
+		closeFDs(fds)
+		return err
+	}
+	c.fdq = append(c.fdq, fds...)
+	return nil
+}
+
+// armRead registers ctx (whose Done channel is done) to interrupt reads.
+func (c *Conn) armRead(ctx context.Context, done <-chan struct{}) {
+	w := &c.watch
+	if done == w.done {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.stop != nil {
+		w.stop()
+		w.stop = nil
+	}
+	w.gen++
+	if w.fired {
+		c.nc.SetReadDeadline(time.Time{})
+		w.fired = false
+	}
+	w.done = done
+	if done == nil {
+		return
+	}
+	gen := w.gen
+	w.stop = context.AfterFunc(ctx, func() {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		if w.gen == gen {
+			w.fired = true
+			c.nc.SetReadDeadline(longAgo)
+		}
+	})
+}
+
+// admit checks a decoded message against the connection's state.
+func (c *Conn) admit(kind Kind, m *Message) error {
+	if c.bye {
+		return fmt.Errorf("%w: %s after goodbye", ErrUnexpectedMessage, kind)
+	}
+	switch kind {
+	case KindHello, KindHelloAck:
+		return fmt.Errorf("%w: %s after the handshake", ErrUnexpectedMessage, kind)
+	case KindError:
+		return &RemoteError{Code: c.dec.errCode, Message: c.dec.errText, Peer: c.desc}
+	case KindGoodbye:
+		c.bye = true
+		return nil
+	}
+	if !c.fromRole(kind) {
+		return fmt.Errorf("%w: %s from a %s", ErrUnexpectedMessage, kind, c.peer.Role)
+	}
+	switch kind {
+	case KindOffer:
+		nfds := c.dec.nfds
+		if nfds > len(c.fdq) {
+			return malformed("offer declares %d descriptors, %d arrived", nfds, len(c.fdq))
+		}
+		c.mu.Lock()
+		if c.outstanding >= c.window {
+			c.mu.Unlock()
+			return fmt.Errorf("%w: offer beyond the %d credits granted", ErrCredit, c.window)
+		}
+		c.outstanding++
+		c.mu.Unlock()
+		if nfds > 0 {
+			copy(c.fdOut[:], c.fdq[:nfds])
+			c.fdq = slices.Delete(c.fdq, 0, nfds)
+			m.Offer.FDs = c.fdOut[:nfds:nfds]
+		}
+	case KindRelease:
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		n := uint64(len(m.Seqs))
+		if n > c.outstanding {
+			return fmt.Errorf("%w: %d releases with %d offers outstanding", ErrCredit, n, c.outstanding)
+		}
+		c.outstanding -= n
+		c.wakeLocked()
+	case KindCredit:
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if c.window+uint64(m.Credits) > MaxCredits {
+			return fmt.Errorf("%w: window of %d credits, limit %d", ErrCredit, c.window+uint64(m.Credits), MaxCredits)
+		}
+		c.window += uint64(m.Credits)
+		c.wakeLocked()
+	}
+	return nil
+}
+
+// fromRole reports whether the peer's role sends messages of kind k.
+func (c *Conn) fromRole(k Kind) bool {
+	switch k {
+	case KindOffer, KindRetire:
+		return c.peer.Role == RoleProducer
+	case KindRelease, KindClosed, KindCredit:
+		return c.peer.Role == RoleConsumer
+	}
+	return false
+}
+
+// recvFailed ends receiving with err and fails the connection.
+func (c *Conn) recvFailed(err error) error {
+	closeFDs(c.fdq)
+	c.fdq = c.fdq[:0]
+	if err == io.EOF {
+		// A clean end, even if sending failed first: the peer said
+		// goodbye and left while we were still writing to it.
+		c.rerr = io.EOF
+		c.fail(fmt.Errorf("transport: %s: %w", c.desc, ErrClosed), false)
+		return err
+	}
+	c.mu.Lock()
+	cur := c.err
+	c.mu.Unlock()
+	if cur != nil {
+		// Failed or closed elsewhere first; that is the cause.
+		c.rerr = cur
+		c.nc.Close()
+		return cur
+	}
+	var remote *RemoteError
+	notify := !errors.As(err, &remote) && !errors.Is(err, ErrDisconnected) && !errors.Is(err, ErrClosed)
+	if !errors.Is(err, ErrClosed) {
+		err = fmt.Errorf("transport: receive from %s: %w", c.desc, err)
+	}
+	c.rerr = err
+	return c.fail(err, notify)
+}
+
+// --- Sending --------------------------------------------------------------
+
+// SendOffer queues an offer. It waits, within ctx, for a credit from the
+// consumer and for room in the output queue. Only a producer sends offers.
+func (c *Conn) SendOffer(ctx context.Context, o *Offer) error {
+	if err := c.may(KindOffer); err != nil {
+		return err
+	}
+	if err := o.checkRange(); err != nil {
+		return err
+	}
+	if err := checkMeta(o.Meta); err != nil {
+		return err
+	}
+	var dups []int
+	if len(o.FDs) > 0 {
+		if len(o.FDs) > MaxFDs {
+			return fmt.Errorf("transport: offer with %d descriptors, limit %d", len(o.FDs), MaxFDs)
+		}
+		if c.peer.Caps&CapFDs == 0 {
+			return fmt.Errorf("%w: %s does not accept descriptors", ErrNotSupported, c.desc)
+		}
+		var err error
+		if dups, err = dupFDs(o.FDs); err != nil {
+			return err
+		}
+	}
+	if err := c.lockRoom(ctx, true); err != nil {
+		closeFDs(dups)
+		return err
+	}
+	off := len(c.out)
+	c.out = appendOffer(c.out, o)
+	if dups != nil {
+		c.outFDs = append(c.outFDs, pendingFDs{off: off, fds: dups})
+	}
+	c.outstanding++
+	c.unlockAndKick(off)
+	return nil
+}
+
+// SendRelease queues the release of the offers with the given sequence
+// numbers, in as many messages as MaxReleaseSeqs requires. Only a consumer
+// sends releases, and only for offers it holds.
+func (c *Conn) SendRelease(ctx context.Context, seqs ...uint64) error {
+	if err := c.may(KindRelease); err != nil {
+		return err
+	}
+	for len(seqs) > 0 {
+		n := min(len(seqs), MaxReleaseSeqs)
+		if err := c.lockRoom(ctx, false); err != nil {
+			return err
+		}
+		if uint64(n) > c.outstanding {
+			c.mu.Unlock()
+			return fmt.Errorf("%w: releasing %d offers, %d outstanding", ErrCredit, n, c.outstanding)
+		}
+		c.outstanding -= uint64(n)
+		off := len(c.out)
+		c.out = appendRelease(c.out, seqs[:n])
+		c.unlockAndKick(off)
+		seqs = seqs[n:]
+	}
+	return nil
+}
+
+// SendRetire queues the retirement of an allocation: the producer wants to
+// free it, and the consumer is to close its mapping and answer with
+// closed. Only a producer sends it.
+func (c *Conn) SendRetire(ctx context.Context, allocID uint64) error {
+	return c.sendUint(ctx, KindRetire, allocID)
+}
+
+// SendClosed queues the consumer's confirmation that it closed its mapping
+// of an allocation. Only a consumer sends it.
+func (c *Conn) SendClosed(ctx context.Context, allocID uint64) error {
+	return c.sendUint(ctx, KindClosed, allocID)
+}
+
+// SendCredit grants the producer n more outstanding offers. Only a
+// consumer sends it.
+func (c *Conn) SendCredit(ctx context.Context, n uint32) error {
+	if n == 0 {
+		return nil
+	}
+	return c.sendUint(ctx, KindCredit, uint64(n))
+}
+
+func (c *Conn) sendUint(ctx context.Context, k Kind, v uint64) error {
+	if err := c.may(k); err != nil {
+		return err
+	}
+	if err := c.lockRoom(ctx, false); err != nil {
+		return err
+	}
+	if k == KindCredit {
+		if c.window+v > MaxCredits {
+			c.mu.Unlock()
+			return fmt.Errorf("%w: window of %d credits, limit %d", ErrCredit, c.window+v, MaxCredits)
+		}
+		c.window += v
+	}
+	off := len(c.out)
+	c.out = appendUintMsg(c.out, k, v)
+	c.unlockAndKick(off)
+	return nil
+}
+
+// may reports whether this side's role sends messages of kind k.
+func (c *Conn) may(k Kind) error {
+	mine := c.cfg.Role
+	if (k == KindOffer || k == KindRetire) != (mine == RoleProducer) {
+		return fmt.Errorf("%w: a %s does not send %s", ErrUnexpectedMessage, mine, k)
+	}
+	return nil
+}
+
+// Flush waits, within ctx, until every message queued before the call has
+// been written to the socket.
+func (c *Conn) Flush(ctx context.Context) error {
+	c.mu.Lock()
+	target := c.queued
+	for {
+		if c.err != nil {
+			err := c.err
+			c.mu.Unlock()
+			return err
+		}
+		if c.written >= target {
+			break
+		}
+		ch := c.progressLocked()
+		c.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		c.mu.Lock()
+	}
+	c.mu.Unlock()
+	return nil
+}
+
+// Shutdown says goodbye with reason, waits within ctx until everything
+// queued has been written, and closes the connection. The peer receives
+// every message sent before Shutdown, then the goodbye.
+func (c *Conn) Shutdown(ctx context.Context, reason string) error {
+	err := c.lockRoom(ctx, false)
+	if err == nil {
+		off := len(c.out)
+		c.out = appendGoodbye(c.out, reason)
+		c.saidBye = true
+		c.unlockAndKick(off)
+		err = c.Flush(ctx)
+	}
+	c.Close()
+	return err
+}
+
+// SendGoodbye says goodbye with reason and waits, within ctx, until it is
+// written, but leaves the connection open; Close it afterwards. A side
+// that closes right after its goodbye can make the peer's next write fail
+// (EPIPE) before the peer has read the goodbye, which is then lost with
+// the peer's socket: the peer sees a disconnection, not a clean end. A
+// side that needs its goodbye seen says it with SendGoodbye and closes
+// once the peer has closed (its Recv returns) or a timeout passes; a peer
+// closes as soon as it reads a goodbye.
+func (c *Conn) SendGoodbye(ctx context.Context, reason string) error {
+	if err := c.lockRoom(ctx, false); err != nil {
+		return err
+	}
+	off := len(c.out)
+	c.out = appendGoodbye(c.out, reason)
+	c.saidBye = true
+	c.unlockAndKick(off)
+	return c.Flush(ctx)
+}
+
+// lockRoom locks mu once the output queue has room and, for an offer, a
+// credit is left; it waits within ctx.
+func (c *Conn) lockRoom(ctx context.Context, offer bool) error {
+	c.mu.Lock()
+	for {
+		if c.err != nil {
+			err := c.err
+			c.mu.Unlock()
+			return err
+		}
+		if c.saidBye {
+			c.mu.Unlock()
+			return fmt.Errorf("transport: %s: send after goodbye: %w", c.desc, ErrClosed)
+		}
+		if len(c.out) < c.cfg.MaxQueued && (!offer || c.outstanding < c.window) {
+			return nil
+		}
+		ch := c.progressLocked()
+		c.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		c.mu.Lock()
+	}
+}
+
+// unlockAndKick accounts for the frames queued from off, unlocks mu and
+// wakes the writer.
+func (c *Conn) unlockAndKick(off int) {
+	c.queued += uint64(len(c.out) - off)
+	c.mu.Unlock()
+	select {
+	case c.kick <- struct{}{}:
+	default:
+	}
+}
+
+func (c *Conn) progressLocked() chan struct{} {
+	if c.progress == nil {
+		c.progress = make(chan struct{})
+	}
+	return c.progress
+}
+
+func (c *Conn) wakeLocked() {
+	if c.progress != nil {
+		close(c.progress)
+		c.progress = nil
+	}
+}
+
+// writeLoop writes what is queued, all of it in one write where it can.
+func (c *Conn) writeLoop() {
+	defer close(c.writerDone)
+	for {
+		select {
+		case <-c.kick:
+		case <-c.dying:
+			return
+		}
+		for {
+			c.wlock.Lock()
+			c.mu.Lock()
+			if c.err != nil || len(c.out) == 0 {
+				c.mu.Unlock()
+				c.wlock.Unlock()
+				break
+			}
+			buf, fds := c.out, c.outFDs
+			c.out, c.outFDs = c.spare[:0], c.spareFDs[:0]
+			c.mu.Unlock()
+			err := c.writeBatch(buf, fds)
+			c.wlock.Unlock()
+			for i := range fds {
+				closeFDs(fds[i].fds)
+				fds[i] = pendingFDs{}
+			}
+			c.mu.Lock()
+			c.spare, c.spareFDs = buf[:0], fds[:0]
+			if err == nil {
+				c.written += uint64(len(buf))
+			}
+			c.wakeLocked()
+			c.mu.Unlock()
+			if err != nil {
+				err = fmt.Errorf("transport: send to %s: %w", c.desc, err)
+				if errors.Is(err, ErrDisconnected) {
+					// The peer is gone, but what it sent before it went,
+					// a goodbye say, is still to be read: leave the
+					// socket to Recv and Close.
+					c.setFailure(err)
+				} else {
+					c.fail(err, false)
+				}
+				return
+			}
+		}
+	}
+}
+
+// writeBatch writes buf, sending each set of descriptors with the first
+// byte of its frame, under one write deadline.
+func (c *Conn) writeBatch(buf []byte, fds []pendingFDs) error {
+	if err := c.nc.SetWriteDeadline(time.Now().Add(c.cfg.WriteTimeout)); err != nil {
+		return err
+	}
+	off := 0
+	for i, p := range fds {
+		if err := c.writeAll(buf[off:p.off]); err != nil {
+			return err
+		}
+		end := len(buf)
+		if i+1 < len(fds) {
+			end = fds[i+1].off
+		}
+		n, _, err := c.nc.WriteMsgUnix(buf[p.off:end], unix.UnixRights(p.fds...), nil)
+		if err != nil {
+			return writeErr(err)
+		}
+		if err := c.writeAll(buf[p.off+n : end]); err != nil {
+			return err
+		}
+		off = end
+	}
+	return c.writeAll(buf[off:])
+}
+
+func (c *Conn) writeAll(b []byte) error {
+	if len(b) == 0 {
+		return nil
+	}
+	_, err := c.nc.Write(b)
+	return writeErr(err)
+}
+
+func writeErr(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return fmt.Errorf("%w: %w", ErrWriteTimeout, err)
+	case errors.Is(err, unix.EPIPE), errors.Is(err, unix.ECONNRESET):
+		return fmt.Errorf("%w: %w", ErrDisconnected, err)
+	}
+	return err
+}
+
+// --- Failing and closing --------------------------------------------------
+
+// fail records err as the connection's failure if it is the first, tells
+// the peer if so, notify is set and the socket is free, and closes the
+// socket. It returns the first failure.
+func (c *Conn) fail(err error, notify bool) error {
+	first, err := c.setFailure(err)
+	if first && notify && c.wlock.TryLock() {
+		c.writeError(codeOf(err), err.Error())
+		c.wlock.Unlock()
+	}
+	c.nc.Close()
+	return err
+}
+
+// setFailure records err as the connection's failure if it is the first:
+// nothing is sent after it, and every waiting sender wakes. It reports
+// whether err is the first, and returns the first.
+func (c *Conn) setFailure(err error) (first bool, cause error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err != nil {
+		return false, c.err
+	}
+	c.err = err
+	close(c.dying)
+	c.wakeLocked()
+	return true, err
+}
+
+// writeError writes an error message straight to the socket, briefly.
+// The caller holds wlock or owns the socket alone.
+func (c *Conn) writeError(code uint32, text string) {
+	c.nc.SetWriteDeadline(time.Now().Add(errorWriteTimeout))
+	c.nc.Write(appendError(nil, code, text))
+}
+
+// failure returns the connection's failure.
+func (c *Conn) failure() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err == nil {
+		return fmt.Errorf("transport: %s: %w", c.desc, ErrClosed)
+	}
+	return c.err
+}
+
+// Close closes the connection at once, dropping what is queued; any
+// blocked call returns. It closes descriptors received and not yet claimed
+// by a message. Close is idempotent and always returns nil.
+func (c *Conn) Close() error {
+	c.fail(fmt.Errorf("transport: connection to %s: %w", c.desc, ErrClosed), false)
+	c.closeOnce.Do(func() {
+		if c.writerDone != nil {
+			<-c.writerDone
+		}
+		c.mu.Lock()
+		for _, p := range c.outFDs {
+			closeFDs(p.fds)
+		}
+		c.outFDs = nil
+		c.mu.Unlock()
+		c.rmu.Lock()
+		closeFDs(c.fdq)
+		c.fdq = c.fdq[:0]
+		c.watch.mu.Lock()
+		if c.watch.stop != nil {
+			c.watch.stop()
+			c.watch.stop = nil
+		}
+		c.watch.gen++
+		c.watch.mu.Unlock()
+		c.rmu.Unlock()
+	})
+	return nil
+}

@@ -1,0 +1,32 @@
+// Package transport carries cudashare's protocol between a producer, which
+// exports CUDA device memory as IPC handles, and a consumer, which imports
+// it, over a Unix-domain socket. PROTOCOL.md at the repository root is the
+// contract; this package is its Go implementation.
+//
+// A Listener accepts connections, a Dial connects; either side may be the
+// producer. Both read the peer's credentials (SO_PEERCRED) and refuse users
+// not in Config.AllowedUIDs, then exchange a handshake: protocol version,
+// role, process identity, device UUIDs, capabilities and the consumer's
+// initial credits. The resulting Conn sends and receives the sharing
+// messages: offer, release, retire, closed, credit, goodbye, error.
+//
+// # Hostile peers
+//
+// Everything received is checked before use. A frame's length is checked
+// against Config.MaxFrameSize before the frame is read; frames are read
+// into one buffer allocated with the Conn; messages are decoded by a
+// bounded msgpack reader for the fixed schema that checks every declared
+// length against the bytes present and limits nesting. Messages out of
+// order or in the wrong direction, offers beyond the granted credits, and
+// descriptors nobody asked for are protocol errors: the connection fails
+// with an error matching one of the Err sentinels, and received
+// descriptors are closed. Writes have a deadline, so a peer that stops
+// reading cannot hold a sender forever.
+//
+// # Speed
+//
+// Encoding and decoding an offer or a release allocates nothing. Messages
+// sent while a write is in progress leave together in the next write, and
+// a read decodes every whole frame it brought in before reading again.
+// Received slices are views valid until the next Recv.
+package transport

@@ -1,0 +1,384 @@
+//go:build linux
+
+package transport
+
+import (
+	"context"
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"io/fs"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// maxPendingHandshakes bounds the connections a Listener holds between
+// accepting them and handing them to Accept.
+const maxPendingHandshakes = 32
+
+// Listener accepts connections on a Unix-domain socket.
+//
+// It accepts in a goroutine of its own: each connection's credentials are
+// checked at once (a refused peer is logged, sent an error message and
+// closed), then its handshake runs in a goroutine bounded by
+// Config.HandshakeTimeout, so that a slow or silent peer holds up no one.
+// Accept returns connections whose handshake succeeded.
+type Listener struct {
+	cfg    Config
+	ln     *net.UnixListener
+	path   string
+	conns  chan *Conn
+	ctx    context.Context // ends with Close
+	cancel context.CancelFunc
+	sem    chan struct{}
+	wg     sync.WaitGroup
+	once   sync.Once
+}
+
+// Listen listens on the Unix socket at path.
+//
+// The socket's directory is created with mode 0700 if missing; an existing
+// one must be a directory (not a symlink) owned by this user with no
+// access for group or others, else Listen fails with ErrUnsafePath. The
+// socket file gets mode 0600. A socket file left by a dead listener is
+// removed; a live one makes Listen fail with EADDRINUSE; anything else at
+// path is left alone and is an ErrUnsafePath.
+func Listen(ctx context.Context, path string, cfg Config) (*Listener, error) {
+	cfg, err := cfg.resolve()
+	if err != nil {
+		return nil, err
+	}
+	if err := privateDir(filepath.Dir(path)); err != nil {
+		return nil, fmt.Errorf("transport: listen %s: %w", path, err)
+	}
+	if err := removeStale(ctx, path); err != nil {
+		return nil, fmt.Errorf("transport: listen %s: %w", path, err)
+	}
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		return nil, fmt.Errorf("transport: listen %s: %w", path, err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		ln.Close()
+		return nil, fmt.Errorf("transport: listen %s: %w", path, err)
+	}
+	l := &Listener{
+		cfg:   cfg,
+		ln:    ln,
+		path:  path,
+		conns: make(chan *Conn),
+		sem:   make(chan struct{}, maxPendingHandshakes),
+	}
+	l.ctx, l.cancel = context.WithCancel(context.Background())
+	l.wg.Add(1)
+	go l.acceptLoop()
+	return l, nil
+}
+
+// privateDir makes sure dir exists and only this user can enter it.
+func privateDir(dir string) error {
+	if _, err := os.Lstat(dir); errors.Is(err, fs.ErrNotExist) {
+		if err := os.MkdirAll(dir, 0o700); err != nil {
+			return err
+		}
+		// The umask may have taken bits we need; it cannot have added any.
+		if err := os.Chmod(dir, 0o700); err != nil {
+			return err
+		}
+	}
+	fi, err := os.Lstat(dir)
+	if err != nil {
+		return err
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("%w: %s is not a directory (mode %v)", ErrUnsafePath, dir, fi.Mode())
+	}
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return fmt.Errorf("%w: cannot tell the owner of %s", ErrUnsafePath, dir)
+	}
+	if euid := os.Geteuid(); st.Uid != uint32(euid) {
+		return fmt.Errorf("%w: %s is owned by uid %d, not uid %d", ErrUnsafePath, dir, st.Uid, euid)
+	}
+	if perm := fi.Mode().Perm(); perm&0o077 != 0 {
+		return fmt.Errorf("%w: %s has mode %#o: group or others can enter it (want 0700)", ErrUnsafePath, dir, perm)
+	}
+	return nil
+}
+
+// removeStale removes a socket file at path that no one listens on.
+func removeStale(ctx context.Context, path string) error {
+	fi, err := os.Lstat(path)
+	if errors.Is(err, fs.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if fi.Mode().Type() != fs.ModeSocket {
+		return fmt.Errorf("%w: %s exists and is not a socket", ErrUnsafePath, path)
+	}
+	var d net.Dialer
+	nc, err := d.DialContext(ctx, "unix", path)
+	if err == nil {
+		nc.Close()
+		return fmt.Errorf("a listener is live: %w", unix.EADDRINUSE)
+	}
+	if !errors.Is(err, unix.ECONNREFUSED) {
+		return err
+	}
+	return os.Remove(path)
+}
+
+// Addr returns the socket's path.
+func (l *Listener) Addr() string { return l.path }
+
+// Accept returns the next connection whose credentials and handshake
+// passed.
+func (l *Listener) Accept(ctx context.Context) (*Conn, error) {
+	select {
+	case c := <-l.conns:
+		return c, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-l.ctx.Done():
+		return nil, fmt.Errorf("transport: listener %s: %w", l.path, ErrClosed)
+	}
+}
+
+// Close stops listening, removes the socket file, and closes the
+// connections not yet returned by Accept. It is idempotent and returns nil.
+func (l *Listener) Close() error {
+	l.once.Do(func() {
+		l.cancel()
+		l.ln.Close()
+		l.wg.Wait()
+	})
+	return nil
+}
+
+func (l *Listener) acceptLoop() {
+	defer l.wg.Done()
+	var delay time.Duration
+	for {
+		nc, err := l.ln.AcceptUnix()
+		if err != nil {
+			if l.ctx.Err() != nil || errors.Is(err, net.ErrClosed) {
+				return
+			}
+			// Out of descriptors, say: back off, as net/http does.
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			l.cfg.Logger.Warn("transport: accept failed", "path", l.path, "err", err, "retry_in", delay)
+			t := time.NewTimer(delay)
+			select {
+			case <-t.C:
+			case <-l.ctx.Done():
+				t.Stop()
+				return
+			}
+			continue
+		}
+		delay = 0
+		l.admit(nc)
+	}
+}
+
+// admit checks a new connection's credentials and starts its handshake.
+func (l *Listener) admit(nc *net.UnixConn) {
+	cred, err := checkPeer(nc, &l.cfg, "listener "+l.path)
+	if err != nil {
+		nc.Close()
+		return
+	}
+	select {
+	case l.sem <- struct{}{}:
+	default:
+		l.cfg.Logger.Warn("transport: too many pending connections, dropping one",
+			"path", l.path, "uid", cred.Uid, "pid", cred.Pid, "limit", maxPendingHandshakes)
+		nc.Close()
+		return
+	}
+	l.wg.Add(1)
+	go func() {
+		defer l.wg.Done()
+		defer func() { <-l.sem }()
+		c, err := newConn(nc, l.cfg, cred)
+		if err != nil {
+			nc.Close()
+			return
+		}
+		if err := c.handshake(l.ctx, false); err != nil {
+			c.Close()
+			if l.ctx.Err() == nil {
+				l.cfg.Logger.Warn("transport: handshake failed", "path", l.path, "err", err)
+			}
+			return
+		}
+		select {
+		case l.conns <- c:
+		case <-l.ctx.Done():
+			c.Close()
+		}
+	}()
+}
+
+// checkPeer reads the peer's credentials and refuses a peer whose user is
+// not allowed: it logs, sends an error message and returns an error
+// matching ErrPeerRefused. The caller closes nc on error.
+func checkPeer(nc *net.UnixConn, cfg *Config, where string) (*unix.Ucred, error) {
+	cred, err := peerCred(nc)
+	if err != nil {
+		cfg.Logger.Warn("transport: cannot read peer credentials", "at", where, "err", err)
+		return nil, err
+	}
+	if slices.Contains(cfg.AllowedUIDs, cred.Uid) {
+		return cred, nil
+	}
+	cfg.Logger.Warn("transport: refused peer", "at", where,
+		"uid", cred.Uid, "gid", cred.Gid, "pid", cred.Pid, "allowed_uids", cfg.AllowedUIDs)
+	text := fmt.Sprintf("uid %d is not allowed by %s", cred.Uid, where)
+	nc.SetWriteDeadline(time.Now().Add(errorWriteTimeout))
+	nc.Write(appendError(nil, codePeerRefused, text))
+	return nil, fmt.Errorf("%w: pid %d uid %d: %s", ErrPeerRefused, cred.Pid, cred.Uid, text)
+}
+
+// Dial connects to the listener at path, checks its credentials against
+// cfg.AllowedUIDs, and runs the handshake.
+func Dial(ctx context.Context, path string, cfg Config) (*Conn, error) {
+	cfg, err := cfg.resolve()
+	if err != nil {
+		return nil, err
+	}
+	var d net.Dialer
+	nc, err := d.DialContext(ctx, "unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("transport: dial %s: %w", path, err)
+	}
+	uc := nc.(*net.UnixConn)
+	cred, err := checkPeer(uc, &cfg, "dialer of "+path)
+	if err != nil {
+		uc.Close()
+		return nil, fmt.Errorf("transport: dial %s: %w", path, err)
+	}
+	c, err := newConn(uc, cfg, cred)
+	if err != nil {
+		uc.Close()
+		return nil, fmt.Errorf("transport: dial %s: %w", path, err)
+	}
+	if err := c.handshake(ctx, true); err != nil {
+		c.Close()
+		return nil, fmt.Errorf("transport: dial %s: %w", path, err)
+	}
+	return c, nil
+}
+
+// handshake exchanges hello and hello-ack, then starts the writer. The
+// dialer speaks first. Until it returns, the Conn is not shared.
+func (c *Conn) handshake(ctx context.Context, dialer bool) (err error) {
+	// The timeout is a deadline; ctx interrupts through an AfterFunc,
+	// which runs once ctx.Err is set, so that the two read apart.
+	c.nc.SetDeadline(time.Now().Add(c.cfg.HandshakeTimeout))
+	stop := context.AfterFunc(ctx, func() { c.nc.SetDeadline(longAgo) })
+	defer stop()
+	c.handshaking = true
+	defer func() { c.handshaking = false }()
+
+	mine := hello{
+		kind:    KindHelloAck,
+		version: Version,
+		role:    c.cfg.Role,
+		pid:     uint64(os.Getpid()),
+		devices: c.cfg.Devices,
+		caps:    c.cfg.caps(),
+	}
+	if c.cfg.Role == RoleConsumer {
+		mine.credits = uint64(c.cfg.Credits)
+	}
+	rand.Read(mine.instanceID[:])
+
+	var werr error
+	if dialer {
+		mine.kind = KindHello
+		_, werr = c.nc.Write(appendHello(nil, &mine))
+		// Read the answer even if the write failed: a listener that
+		// refuses us sends an error and closes, possibly before our hello
+		// arrives.
+	}
+	theirs, err := c.readHello(ctx, dialer)
+	if err != nil {
+		if werr != nil && errors.Is(err, ErrDisconnected) {
+			err = fmt.Errorf("%w: %w", ErrDisconnected, werr)
+		}
+		return c.handshakeFailed(err, !dialer)
+	}
+	if theirs.role == c.cfg.Role {
+		return c.handshakeFailed(fmt.Errorf("%w: both sides are %ss", ErrHandshake, theirs.role), true)
+	}
+	c.peer.Role = theirs.role
+	c.peer.InstanceID = theirs.instanceID
+	c.peer.Devices = theirs.devices
+	c.peer.Caps = theirs.caps
+	c.desc = c.peer.String()
+	if c.cfg.Role == RoleProducer {
+		c.window = theirs.credits
+	} else {
+		c.window = uint64(c.cfg.Credits)
+	}
+	if !dialer {
+		if _, err := c.nc.Write(appendHello(nil, &mine)); err != nil {
+			return c.handshakeFailed(writeErr(err), false)
+		}
+	}
+	if !stop() {
+		return c.handshakeFailed(ctx.Err(), false)
+	}
+	if err := c.nc.SetDeadline(time.Time{}); err != nil {
+		return c.handshakeFailed(err, false)
+	}
+	c.writerDone = make(chan struct{})
+	go c.writeLoop()
+	return nil
+}
+
+// readHello reads the peer's hello (listener) or hello-ack (dialer).
+func (c *Conn) readHello(ctx context.Context, dialer bool) (*hello, error) {
+	want := KindHello
+	if dialer {
+		want = KindHelloAck
+	}
+	body, err := c.readFrame(ctx)
+	if err != nil {
+		return nil, err
+	}
+	var m Message
+	kind, err := c.dec.decode(body, &m)
+	switch {
+	case err != nil:
+		return nil, err
+	case kind == KindError:
+		return nil, &RemoteError{Code: c.dec.errCode, Message: c.dec.errText, Peer: c.desc}
+	case kind != want:
+		return nil, fmt.Errorf("%w: %s during the handshake, want %s", ErrUnexpectedMessage, kind, want)
+	}
+	h := c.dec.hello
+	return &h, nil
+}
+
+// handshakeFailed tells the peer why if notify and the failure is theirs
+// to hear, and returns err wrapped.
+func (c *Conn) handshakeFailed(err error, notify bool) error {
+	var remote *RemoteError
+	if notify && !errors.As(err, &remote) && !errors.Is(err, ErrDisconnected) && !errors.Is(err, os.ErrDeadlineExceeded) {
+		c.writeError(codeOf(err), err.Error())
+	}
+	closeFDs(c.fdq)
+	c.fdq = c.fdq[:0]
+	return fmt.Errorf("transport: handshake with %s: %w", c.desc, err)
+}

@@ -1,0 +1,142 @@
+package transport
+
+import (
+	"encoding/hex"
+	"fmt"
+)
+
+// Role is the part a side plays on a connection. A connection joins one
+// producer and one consumer; which of them dials does not matter.
+type Role uint8
+
+// Roles.
+const (
+	RoleProducer Role = 1 // exports buffers: sends offers and retires
+	RoleConsumer Role = 2 // imports buffers: sends releases, closed and credits
+)
+
+func (r Role) valid() bool { return r == RoleProducer || r == RoleConsumer }
+
+func (r Role) String() string {
+	switch r {
+	case RoleProducer:
+		return "producer"
+	case RoleConsumer:
+		return "consumer"
+	}
+	return fmt.Sprintf("role(%d)", uint8(r))
+}
+
+// Caps is a set of optional protocol features. A side advertises what it
+// can receive; bits it does not know are ignored.
+type Caps uint64
+
+// CapFDs says that the side accepts file descriptors with an offer.
+const CapFDs Caps = 1 << 0
+
+// UUID identifies a CUDA device (CUuuid). Devices are named by UUID on the
+// wire because CUDA_VISIBLE_DEVICES renumbers ordinals per process.
+type UUID [16]byte
+
+// String formats u as nvidia-smi does: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.
+func (u UUID) String() string {
+	var b [36]byte
+	hex.Encode(b[0:8], u[0:4])
+	b[8] = '-'
+	hex.Encode(b[9:13], u[4:6])
+	b[13] = '-'
+	hex.Encode(b[14:18], u[6:8])
+	b[18] = '-'
+	hex.Encode(b[19:23], u[8:10])
+	b[23] = '-'
+	hex.Encode(b[24:], u[10:])
+	return "GPU-" + string(b[:])
+}
+
+// IPCHandle is an opaque CUDA IPC handle: a CUipcMemHandle or a
+// CUipcEventHandle, 64 bytes each.
+type IPCHandle [64]byte
+
+// Offer lends a range of a producer's device allocation to a consumer.
+type Offer struct {
+	// Seq names this lease in releases. The producer chooses it; it must
+	// not repeat among the offers outstanding on a connection.
+	Seq uint64
+	// AllocID names the producer's allocation; it is never reused, so a
+	// consumer may cache its mapping under it until a retire.
+	AllocID uint64
+	// Generation counts the producer's reuses of the allocation.
+	Generation uint64
+	// Handle is the CUipcMemHandle of the allocation.
+	Handle IPCHandle
+	// AllocSize is the size of the whole allocation; Offset and Size
+	// select the lent range within it.
+	AllocSize, Offset, Size uint64
+	// Device is the UUID of the device that holds the allocation.
+	Device UUID
+	// Event is a CUipcEventHandle to wait on before reading, if HasEvent.
+	Event    IPCHandle
+	HasEvent bool
+	// Meta is small user metadata (shape, dtype, ...): one msgpack value of
+	// at most MaxMetaSize bytes, or empty for none. It must be JSON-like:
+	// nil, bool, integer, float, str, bin, array, and map with str keys,
+	// nested at most 16 deep; msgpack.Marshal of a map[string]any of such
+	// values makes one. Received, it is a view into the connection's
+	// buffer, valid until the next Recv.
+	Meta []byte
+	// FDs are descriptors that travel with the offer (SCM_RIGHTS), at most
+	// MaxFDs, and only to a peer that advertised CapFDs. SendOffer
+	// duplicates them, so the caller keeps its own. Received, they belong
+	// to the caller, who must close them.
+	FDs []int
+}
+
+// checkRange checks that the lent range lies within the allocation.
+func (o *Offer) checkRange() error {
+	if o.Offset > o.AllocSize || o.Size > o.AllocSize-o.Offset {
+		return malformed("offer: range [%d, +%d) outside allocation of %d bytes", o.Offset, o.Size, o.AllocSize)
+	}
+	return nil
+}
+
+// Message is one received message. Recv fills in Kind and the fields that
+// belong to it and leaves the others as they were; slices are views that
+// stay valid until the next Recv on the same connection.
+type Message struct {
+	Kind Kind
+	// Offer is set for KindOffer.
+	Offer Offer
+	// Seqs are the released sequence numbers, for KindRelease.
+	Seqs []uint64
+	// AllocID is the allocation retired (KindRetire) or closed (KindClosed).
+	AllocID uint64
+	// Credits is the number of offers granted, for KindCredit.
+	Credits uint32
+	// Reason is the peer's reason, for KindGoodbye.
+	Reason string
+}
+
+// Peer describes the other side of a connection: who the kernel says it is
+// (SO_PEERCRED) and what it said in the handshake.
+type Peer struct {
+	// UID, GID and PID are the peer's credentials at connect time, as the
+	// kernel reports them, PID in this side's pid namespace.
+	UID, GID uint32
+	PID      int32
+	// Role is the role the peer announced.
+	Role Role
+	// InstanceID is random per peer process; with PID it tells a restarted
+	// process from the one before it.
+	InstanceID [16]byte
+	// Devices are the UUIDs of the devices the peer sees.
+	Devices []UUID
+	// Caps are the features the peer accepts.
+	Caps Caps
+}
+
+func (p *Peer) String() string {
+	if p.Role.valid() {
+		return fmt.Sprintf("%s pid %d uid %d", p.Role, p.PID, p.UID)
+	}
+	return fmt.Sprintf("peer pid %d uid %d", p.PID, p.UID)
+}
