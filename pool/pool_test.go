@@ -1,0 +1,214 @@
+//go:build linux
+
+package pool_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/seed743c36cf/cudashare/pool"
+	"github.com/seed743c36cf/cudashare/share"
+	"github.com/seed743c36cf/cudashare/share/sharetest"
+)
+
+// TestMain runs the tests, or a producer routine when the test binary is
+// re-run as a child; it fails the run on a leaked descriptor or goroutine
+// of this package.
+func TestMain(m *testing.M) { sharetest.Main(m, "cudashare/pool.") }
+
+// dial starts a producer child with params and connects an importer to it.
+func dial(t *testing.T, env *sharetest.Env, credits uint32, params ...string) (*sharetest.Child, *share.Importer) {
+	t.Helper()
+	path := sharetest.SocketPath(t)
+	p := sharetest.Start(t, "producer", append([]string{sharetest.EnvParam(sharetest.ParamPath, path)}, params...)...)
+	p.Expect("LISTENING")
+	im, err := share.Dial(sharetest.Ctx(t), path, env.Ctx, share.ImporterConfig{Credits: credits})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { im.Close() })
+	return p, im
+}
+
+// checkImporter checks that the pool left nothing held or mapped.
+func checkImporter(t *testing.T, im *share.Importer) {
+	t.Helper()
+	if s := im.Stats(); s.Held != 0 || s.Mappings != 0 || s.Leases != s.Released {
+		t.Errorf("importer after the pool: %+v", s)
+	}
+	if s := im.Registry().Stats(); s.Mappings != 0 || s.Opens != s.Closes {
+		t.Errorf("registry after the pool: %+v", s)
+	}
+}
+
+// producerDone ends the producer child (if it offers until stdin closes)
+// and checks that its Shutdown freed everything with no lost consumer:
+// the pool's importer closed its mappings and said goodbye.
+func producerDone(t *testing.T, p *sharetest.Child) sharetest.ProducerReport {
+	t.Helper()
+	p.Wait()
+	var rep sharetest.ProducerReport
+	p.Report(&rep)
+	if rep.ShutdownErr != "" || rep.RetireErr != "" || rep.Stats.ConsumersLost != 0 || rep.Stats.Allocations != 0 {
+		t.Errorf("producer: %+v", rep)
+	}
+	return rep
+}
+
+// TestRun proves the normal case: four workers process every lease of a
+// producer with the right bytes, Run returns nil at the producer's
+// goodbye, and every lease is released and every mapping closed.
+func TestRun(t *testing.T) {
+	env := sharetest.Setup(t)
+	p, im := dial(t, env, 8, sharetest.EnvParam(sharetest.ParamCount, 100))
+	var n, bad atomic.Int32
+	err := pool.Run(sharetest.Ctx(t), im, 4, func(ctx context.Context, l *share.Lease) error {
+		seq, _ := sharetest.ParseMeta(l.Meta())
+		if err := sharetest.Check(env.Ctx, l.Ptr(), l.Size(), seq); err != nil {
+			bad.Add(1)
+		}
+		n.Add(1)
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if n.Load() != 100 || bad.Load() != 0 {
+		t.Errorf("handled %d leases (%d bad), want 100", n.Load(), bad.Load())
+	}
+	checkImporter(t, im)
+	if rep := producerDone(t, p); rep.Stats.Releases != 100 {
+		t.Errorf("producer saw %d releases, want 100", rep.Stats.Releases)
+	}
+}
+
+// TestHandlerError proves that the first handler error ends the pool:
+// Run returns it, the leases in flight are released, and the importer's
+// shutdown lets the producer free everything.
+func TestHandlerError(t *testing.T) {
+	env := sharetest.Setup(t)
+	p, im := dial(t, env, 8)
+	boom := errors.New("boom")
+	var n atomic.Int32
+	err := pool.Run(sharetest.Ctx(t), im, 3, func(ctx context.Context, l *share.Lease) error {
+		if n.Add(1) == 5 {
+			return boom
+		}
+		return nil
+	})
+	if !errors.Is(err, boom) {
+		t.Fatalf("Run: %v, want the handler's error", err)
+	}
+	checkImporter(t, im)
+	producerDone(t, p)
+}
+
+// TestHandlerPanic proves that a panicking handler does not crash the
+// process: Run returns a *PanicError with the value and the stack, and the
+// lease is released.
+func TestHandlerPanic(t *testing.T) {
+	env := sharetest.Setup(t)
+	p, im := dial(t, env, 8)
+	err := pool.Run(sharetest.Ctx(t), im, 2, func(ctx context.Context, l *share.Lease) error {
+		panicInHandler()
+		return nil
+	})
+	var pe *pool.PanicError
+	if !errors.As(err, &pe) {
+		t.Fatalf("Run: %v, want a *PanicError", err)
+	}
+	if pe.Value != "kaboom" || !strings.Contains(string(pe.Stack), "panicInHandler") {
+		t.Errorf("panic error: value %v, stack:\n%s", pe.Value, pe.Stack)
+	}
+	checkImporter(t, im)
+	producerDone(t, p)
+}
+
+func panicInHandler() { panic("kaboom") }
+
+// TestCancelDrains proves that cancelling the context stops the pool from
+// taking new leases and waits for the handlers in flight (each finishes,
+// and its lease is released) before Run returns the context's error.
+func TestCancelDrains(t *testing.T) {
+	env := sharetest.Setup(t)
+	p, im := dial(t, env, 8)
+	ctx, cancel := context.WithCancel(sharetest.Ctx(t))
+	defer cancel()
+	var started, finished atomic.Int32
+	err := pool.Run(ctx, im, 4, func(_ context.Context, l *share.Lease) error {
+		if started.Add(1) == 8 {
+			cancel()
+		}
+		time.Sleep(20 * time.Millisecond) // ignores ctx: the pool must wait
+		finished.Add(1)
+		return nil
+	})
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("Run: %v, want context.Canceled", err)
+	}
+	if s, f := started.Load(), finished.Load(); s != f || s < 8 {
+		t.Errorf("%d handlers started, %d finished", s, f)
+	}
+	checkImporter(t, im)
+	producerDone(t, p)
+}
+
+// TestProducerGone proves that a producer killed mid-stream ends the pool
+// with ErrProducerGone (not a clean end) and leaves nothing mapped.
+func TestProducerGone(t *testing.T) {
+	env := sharetest.Setup(t)
+	p, im := dial(t, env, 4)
+	var n atomic.Int32
+	err := pool.Run(sharetest.Ctx(t), im, 2, func(ctx context.Context, l *share.Lease) error {
+		if n.Add(1) == 10 {
+			p.Kill()
+		}
+		return nil
+	})
+	if !errors.Is(err, share.ErrProducerGone) || errors.Is(err, io.EOF) {
+		t.Fatalf("Run: %v, want ErrProducerGone without a goodbye", err)
+	}
+	checkImporter(t, im)
+}
+
+// TestCloseBeforeFree is the cross-process ordering end to end: the
+// producer retires its first ring while the pool's slow handlers hold
+// leases in it, goes on with a second ring, and shuts down; the retirement
+// waits for the handlers, the consumer closes each mapping before
+// confirming, the pool's shutdown closes everything before its goodbye,
+// and the strict simulator records no violation.
+func TestCloseBeforeFree(t *testing.T) {
+	env := sharetest.Setup(t)
+	p, im := dial(t, env, 6,
+		sharetest.EnvParam(sharetest.ParamCount, 40),
+		sharetest.EnvParam(sharetest.ParamRetire, 10),
+		sharetest.EnvParam(sharetest.ParamStream, 1))
+	var n atomic.Int32
+	err := pool.Run(sharetest.Ctx(t), im, 3, func(ctx context.Context, l *share.Lease) error {
+		time.Sleep(2 * time.Millisecond)
+		seq, _ := sharetest.ParseMeta(l.Meta())
+		if err := sharetest.Check(env.Ctx, l.Ptr(), l.Size(), seq); err != nil {
+			return err
+		}
+		n.Add(1)
+		return nil
+	})
+	if err != nil {
+		t.Fatalf("Run: %v", err)
+	}
+	if n.Load() != 40 {
+		t.Errorf("handled %d leases, want 40", n.Load())
+	}
+	checkImporter(t, im)
+	if s := im.Stats(); s.Retired != 2 {
+		t.Errorf("importer confirmed %d retirements, want 2 (the first ring, then the second at shutdown)", s.Retired)
+	}
+	if rep := producerDone(t, p); rep.Stats.Retired != 2 || rep.Stats.Releases != 40 {
+		t.Errorf("producer: %+v", rep)
+	}
+}

@@ -1,0 +1,246 @@
+//go:build linux
+
+package share
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/seed743c36cf/cudashare/driver"
+)
+
+// bufferAlign is the alignment of ring and arena buffers, as cuMemAlloc's.
+const bufferAlign = 256
+
+func alignUp(n uint64) uint64 { return (n + bufferAlign - 1) &^ (bufferAlign - 1) }
+
+// Buffer is a range of an exported allocation: what an offer lends. It
+// comes from Register, a Ring or an Arena.
+type Buffer struct {
+	e     *Exporter
+	rec   *allocRec
+	off   uint64
+	size  uint64
+	ring  *Ring
+	arena *Arena
+	span  uint64 // bytes taken from the arena
+
+	// Guarded by Exporter.mu.
+	leases      int
+	sending     int // offers or a broadcast in flight
+	offers      uint64
+	ev          *expEvent
+	held        bool // ring: acquired by the producer
+	offered     bool // ring: offered since it was acquired
+	freePending bool
+	freed       bool
+	idle        chan struct{} // closed when leases and sends reach zero; made by Wait
+}
+
+// Ptr is the buffer's device pointer in the exporting process.
+func (b *Buffer) Ptr() driver.DevicePtr { return b.rec.base + driver.DevicePtr(b.off) }
+
+// Size is the buffer's length in bytes.
+func (b *Buffer) Size() uint64 { return b.size }
+
+// AllocID is the id of the buffer's allocation on the wire. It is never
+// reused by the exporter's process: memory freed and allocated again at
+// the same address gets a new one.
+func (b *Buffer) AllocID() uint64 { return b.rec.id }
+
+// Leases returns the number of consumers holding the buffer now.
+func (b *Buffer) Leases() int {
+	b.e.mu.Lock()
+	defer b.e.mu.Unlock()
+	return b.leases
+}
+
+// Wait waits within ctx until no consumer holds the buffer, so that the
+// producer may write it again.
+func (b *Buffer) Wait(ctx context.Context) error {
+	e := b.e
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for b.leases > 0 || b.sending > 0 {
+		if err := e.waitLocked(ctx, &b.idle); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Free gives back a buffer of an Arena or a Ring. An arena buffer's range
+// returns to the arena, and a ring buffer to its ring, once no consumer
+// holds it: Free does not wait, and the producer may forget the buffer
+// right after offering it. Free is idempotent. A registered buffer has
+// nothing to give back (its memory is the caller's): use Retire.
+func (b *Buffer) Free() error {
+	e := b.e
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	switch {
+	case b.arena != nil:
+		if b.freed || b.freePending {
+			return nil
+		}
+		if b.leases == 0 && b.sending == 0 {
+			e.freeBufferLocked(b)
+		} else {
+			b.freePending = true
+		}
+		return nil
+	case b.ring != nil:
+		if !b.held {
+			return nil
+		}
+		b.offered = true
+		if b.leases == 0 && b.sending == 0 {
+			e.idleLocked(b)
+		}
+		return nil
+	}
+	return errors.New("share: Free of a registered buffer: its memory belongs to the caller; use Exporter.Retire")
+}
+
+// freeBufferLocked returns an arena buffer's range.
+func (e *Exporter) freeBufferLocked(b *Buffer) {
+	b.freed, b.freePending = true, false
+	if b.ev != nil {
+		e.eventPool = append(e.eventPool, b.ev)
+		delete(b.rec.evBufs, b)
+		b.ev = nil
+	}
+	a := b.arena
+	if b.rec.state == recLive {
+		a.spans.release(b.off, b.span)
+		e.notifyLocked(&a.room)
+	}
+}
+
+// Ring is a fixed set of equal buffers carved from one exported
+// allocation, so a consumer maps it once. The producer takes a free buffer
+// with Acquire, writes it and offers it; the buffer comes back by itself
+// once every consumer it was lent to has released it. This is the
+// reused-buffer path: it allocates nothing per handoff.
+type Ring struct {
+	e    *Exporter
+	rec  *allocRec
+	bufs []*Buffer
+	free chan *Buffer  // buffers ready to be acquired; room for all
+	dead chan struct{} // closed once the ring's allocation is retired
+}
+
+// NewRing allocates n buffers of size bytes each, in one allocation.
+func (e *Exporter) NewRing(n int, size uint64) (*Ring, error) {
+	if n <= 0 || size == 0 {
+		return nil, fmt.Errorf("share: NewRing(%d, %d): %w", n, size, driver.ErrInvalidValue)
+	}
+	stride := alignUp(size)
+	rec, err := e.allocOwned(stride * uint64(n))
+	if err != nil {
+		return nil, err
+	}
+	r := &Ring{e: e, rec: rec, bufs: make([]*Buffer, n), free: make(chan *Buffer, n), dead: make(chan struct{})}
+	for i := range r.bufs {
+		b := &Buffer{e: e, rec: rec, off: uint64(i) * stride, size: size, ring: r}
+		r.bufs[i] = b
+		r.free <- b
+	}
+	e.mu.Lock()
+	rec.ring = r
+	e.mu.Unlock()
+	return r, nil
+}
+
+// Acquire waits within ctx for a buffer that no consumer holds and gives
+// it to the producer. The buffer returns to the ring once it has been
+// offered and every lease of it is released; a buffer the producer decides
+// not to offer goes back with Free.
+func (r *Ring) Acquire(ctx context.Context) (*Buffer, error) {
+	select {
+	case b := <-r.free:
+		e := r.e
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		if err := e.offerableLocked(b); err != nil {
+			r.free <- b
+			return nil, err
+		}
+		b.held = true
+		return b, nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	case <-r.dead:
+		return nil, fmt.Errorf("%w: ring allocation %d", ErrRetired, r.rec.id)
+	case <-r.e.done:
+		return nil, ErrClosed
+	}
+}
+
+// Retire retires the ring's allocation (see Exporter.Retire) and frees it.
+func (r *Ring) Retire(ctx context.Context) error { return r.e.retire(ctx, r.rec) }
+
+// Arena is one large exported allocation that buffers are sub-allocated
+// from, so fresh buffers cost no driver call and a consumer maps the arena
+// once: fresh buffers hand off at the rate of reused ones.
+type Arena struct {
+	e     *Exporter
+	rec   *allocRec
+	spans spans         // guarded by Exporter.mu
+	room  chan struct{} // closed when a range is freed; made by a waiter
+}
+
+// NewArena allocates an arena of size bytes.
+func (e *Exporter) NewArena(size uint64) (*Arena, error) {
+	if size == 0 {
+		return nil, fmt.Errorf("share: NewArena(0): %w", driver.ErrInvalidValue)
+	}
+	rec, err := e.allocOwned(size)
+	if err != nil {
+		return nil, err
+	}
+	a := &Arena{e: e, rec: rec, spans: newSpans(size)}
+	e.mu.Lock()
+	rec.arena = a
+	e.mu.Unlock()
+	return a, nil
+}
+
+// Alloc takes a buffer of size bytes from the arena (its range rounded up
+// to 256 bytes), waiting within ctx for room while consumers hold too much
+// of it. Give it back with Free, which may come right after its offer.
+func (a *Arena) Alloc(ctx context.Context, size uint64) (*Buffer, error) {
+	need := min(alignUp(size), a.rec.size)
+	if size == 0 || size > a.rec.size {
+		return nil, fmt.Errorf("share: Alloc(%d) from an arena of %d bytes: %w", size, a.rec.size, driver.ErrInvalidValue)
+	}
+	e := a.e
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for {
+		switch {
+		case e.closing:
+			return nil, ErrClosed
+		case a.rec.state != recLive:
+			return nil, fmt.Errorf("%w: arena allocation %d", ErrRetired, a.rec.id)
+		}
+		if off, ok := a.spans.alloc(need); ok {
+			return &Buffer{e: e, rec: a.rec, off: off, size: size, arena: a, span: need}, nil
+		}
+		if err := e.waitLocked(ctx, &a.room); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// Available returns the free bytes of the arena.
+func (a *Arena) Available() uint64 {
+	a.e.mu.Lock()
+	defer a.e.mu.Unlock()
+	return a.spans.available()
+}
+
+// Retire retires the arena's allocation (see Exporter.Retire) and frees
+// it. Its buffers can no longer be offered.
+func (a *Arena) Retire(ctx context.Context) error { return a.e.retire(ctx, a.rec) }

@@ -1,0 +1,98 @@
+// Package share lends CUDA device memory from one process to others, with
+// no copy: a producer's Exporter offers buffers over a Unix socket
+// (package transport, PROTOCOL.md), and each consumer's Importer maps them
+// through CUDA IPC, once per allocation, and hands them out as Leases.
+//
+//	producer                                  consumer
+//	e, _ := share.NewExporter(ctx, dctx, path, share.ExporterConfig{})
+//	r, _ := e.NewRing(8, 4<<20)               im, _ := share.Dial(ctx, path, dctx, share.ImporterConfig{Stream: s})
+//	b, _ := r.Acquire(ctx)                    l, _ := im.Next(ctx)
+//	// write b.Ptr() on stream ws             // read l.Ptr() on stream s, then s.Synchronize()
+//	e.Offer(ctx, b, share.OfferOptions{       l.Release()
+//	    Meta: meta, Stream: ws})              ...
+//	...                                       im.Shutdown(ctx)
+//	e.Shutdown(ctx)
+//
+// Package pool runs a set of workers over an Importer.
+//
+// # What the caller guarantees
+//
+// Producer:
+//   - It does not write a buffer while a consumer holds it. A Ring hands
+//     out only buffers no one holds; Buffer.Wait waits for that; an arena
+//     buffer's range is reused only after Free and every release.
+//   - Memory it registered (Register) is freed only after Retire of a
+//     buffer in it has returned: until then a consumer may map it.
+//   - The work that writes a buffer is complete when Offer is called, or
+//     OfferOptions.Stream is the stream it runs on (the buffer's event is
+//     recorded there and the consumer's stream waits for it).
+//   - The driver context outlives the Exporter. Producer and consumer are
+//     different processes: CUDA refuses to open an IPC handle in the
+//     process that made it.
+//
+// Consumer:
+//   - A lease's pointer is used only between Next and Release, and only in
+//     the importer's context. Release comes after every use has completed:
+//     the producer may write the buffer, or free it, as soon as it is
+//     released. GPU work that reads it must be synchronized first (for
+//     example Stream.Synchronize on the importer's stream).
+//   - Importers of one process that share a Registry use one context per
+//     device (the primary context): the driver lets one context per device
+//     open a given handle.
+//   - Every lease is released. A lease that is garbage-collected without
+//     Release is reported and released on the user's behalf (see Lease),
+//     as a backstop, not a way to work.
+//
+// # Close before free
+//
+// A producer must never free memory that another process still maps (the
+// strict simulated driver refuses it and records a violation; the real
+// driver leaves the consumer reading freed memory). So:
+//
+//   - The exporter records, per allocation, every consumer that may map
+//     it: one that was offered a buffer in it and has not confirmed closing
+//     it. Retire (and Shutdown, which retires everything) stops offers of
+//     the allocation, waits for offers already on their way to leave,
+//     sends retire to each of those consumers, waits for each to answer
+//     closed, and only then frees. It waits with a context and never frees
+//     early; if the context ends, the retirement simply is not finished.
+//   - An importer answers a retire once no lease of its own is in the
+//     allocation: it drops its hold on the mapping (the registry closes it
+//     with the last hold in the process, so the IpcCloseMemHandle has
+//     happened) and then sends closed. Its receiving goroutine does this
+//     whether or not anyone calls Next, so a retirement is not held up by
+//     an idle consumer.
+//   - An importer's Shutdown and Close close every mapping before they say
+//     goodbye, and a goodbye tells the exporter that the consumer holds
+//     nothing: its leases end and its mappings are gone.
+//
+// # Consumers that disappear
+//
+// A consumer whose connection ends without a goodbye may have died, or may
+// be alive with its mappings open (its connection failed). The exporter
+// takes it out of the rotation at once, but voids its leases and mappings
+// only once its process has exited, watched through a pidfd opened while
+// it was connected (so its pid cannot have been reused): process exit
+// unmaps everything, which makes freeing safe. An allocation blocked only
+// by that consumer is then freed by the retirement waiting on it; a ring
+// buffer it held comes back. A consumer that stays alive without a goodbye
+// keeps its allocations allocated, as it must.
+//
+// A producer that disappears ends every Importer's Next with
+// ErrProducerGone; queued leases are dropped, mappings with no lease close
+// at once and the others at their last Release (the memory stays valid
+// while mapped).
+//
+// # Speed
+//
+// The hot path is one offer and one release on the transport's batched
+// writes. The producer takes the IPC handle once per allocation and makes
+// no driver call per offer unless the offer carries an event (one
+// cuEventRecord); the consumer opens each allocation once (a cached lookup
+// is a map lookup, tens of nanoseconds) and calls the driver per lease
+// only to wait on an event. Neither side allocates per handoff: leases are
+// allocated in blocks, rings and arenas reuse their buffers' records, and
+// seqs index a slot table. Arenas make fresh buffers as cheap as reused
+// ones: sub-allocation costs no driver call and a consumer maps the arena
+// once. BenchmarkHandoff and BenchmarkRegistryLookup measure it.
+package share

@@ -1,0 +1,30 @@
+//go:build linux
+
+package share
+
+import "errors"
+
+// Errors. Every error this package returns for one of these conditions
+// matches the sentinel with errors.Is; driver and transport errors stay
+// wrapped underneath, so errors.Is(err, driver.ErrPeerAccessUnsupported)
+// works too.
+var (
+	// ErrClosed: the Exporter, Importer or Ring was closed or shut down
+	// on this side.
+	ErrClosed = errors.New("share: closed")
+	// ErrProducerGone: the producer said goodbye or vanished. After a
+	// goodbye the error also matches io.EOF: the stream ended cleanly.
+	ErrProducerGone = errors.New("share: producer gone")
+	// ErrPeerAccessUnsupported: the importer's device cannot map memory
+	// of the producer's device. The message names both UUIDs.
+	ErrPeerAccessUnsupported = errors.New("share: peer access unsupported between the devices")
+	// ErrStaleHandle: an offer's IPC handle names an allocation other than
+	// the one this process maps under it (a reused handle or address).
+	// The stale mapping is never handed out.
+	ErrStaleHandle = errors.New("share: stale IPC handle")
+	// ErrRetired: the buffer's allocation is being retired or was retired;
+	// it can no longer be offered.
+	ErrRetired = errors.New("share: allocation retired")
+	// ErrFreed: the buffer was freed.
+	ErrFreed = errors.New("share: buffer freed")
+)

@@ -1,0 +1,1096 @@
+//go:build linux
+
+package share
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"maps"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/seed743c36cf/cudashare/driver"
+	"github.com/seed743c36cf/cudashare/transport"
+)
+
+// ExporterConfig configures an Exporter. The zero value is usable.
+type ExporterConfig struct {
+	// AllowedUIDs are the users whose consumers may connect. Empty means
+	// this process's effective user only.
+	AllowedUIDs []uint32
+	// Logger receives arrivals and losses of consumers and memory that
+	// Close could not free. Nil means slog.Default().
+	Logger *slog.Logger
+}
+
+// ExporterStats are an exporter's counters.
+type ExporterStats struct {
+	Consumers     int    // connected and taking offers now
+	ConsumersLost uint64 // consumers that went away without a goodbye
+	Offers        uint64 // offers sent, one per consumer reached
+	Releases      uint64 // leases ended: released, or dropped with their consumer
+	BytesOffered  uint64 // bytes lent by those offers
+	Leases        int    // leases outstanding now
+	Retired       uint64 // allocations retired (and freed, if the exporter allocated them)
+	Allocations   int    // allocations known now: registered, rings and arenas
+}
+
+// Exporter is the producer side: it listens on a Unix socket, accepts
+// consumers in the background, and lends them device buffers of one
+// context. See the package documentation for the guarantees.
+type Exporter struct {
+	dctx *driver.Context
+	dev  transport.UUID
+	ln   *transport.Listener
+	log  *slog.Logger
+
+	life      context.Context // ends with Close; bounds every goroutine
+	cancel    context.CancelFunc
+	wg        sync.WaitGroup
+	done      chan struct{} // closed by Close
+	closeOnce sync.Once
+
+	mu          sync.Mutex
+	closing     bool                   // no more offers or buffers
+	consumers   []*consumer            // taking offers, in round-robin order
+	conns       map[*consumer]struct{} // every consumer not yet dropped
+	rr          int
+	lastAllocID uint64
+	allocs      map[uint64]*allocRec
+	byBase      map[driver.DevicePtr]*allocRec
+	eventPool   []*expEvent
+	creditWait  chan struct{} // closed when a credit may have come free; made by a waiter
+	changed     chan struct{} // closed on any other change waiters watch
+	stats       ExporterStats
+}
+
+// recState is the life of an allocation record.
+type recState uint8
+
+const (
+	recLive     recState = iota
+	recRetiring          // no more offers; waiting for every consumer to close
+	recFreeing           // closed everywhere; being freed
+	recFreed
+)
+
+// allocRec is one device allocation the exporter lends from. Fields after
+// handle are guarded by Exporter.mu.
+type allocRec struct {
+	id     uint64 // never reused by this process
+	base   driver.DevicePtr
+	size   uint64
+	bufID  uint64
+	handle transport.IPCHandle // cached: one IpcGetMemHandle per allocation
+	owned  bool                // allocated by the exporter, freed on retire
+	ring   *Ring
+	arena  *Arena
+
+	state   recState
+	sending int                    // offers between reservation and queueing
+	mappers map[*consumer]struct{} // consumers that may have it mapped
+	evBufs  map[*Buffer]struct{}   // buffers holding a pooled event
+}
+
+// expEvent is an interprocess event and its cached handle.
+type expEvent struct {
+	ev *driver.Event
+	h  transport.IPCHandle
+}
+
+// consumer is one connected consumer.
+type consumer struct {
+	e     *Exporter
+	conn  *transport.Conn
+	peer  transport.Peer
+	watch *procWatch
+
+	// Guarded by Exporter.mu.
+	window, out uint64 // credits granted; offers not released
+	slots       []leaseSlot
+	freeSlots   []uint32
+	allocs      map[*allocRec]bool // allocations it may map; true once sent a retire
+	active      bool               // in the rotation
+	saidBye     bool               // it said goodbye: everything it held is void
+	sentBye     bool               // we said goodbye after retiring everything
+	dropped     bool
+
+	ended chan struct{} // closed when its connection has ended
+}
+
+// leaseSlot is an outstanding offer. seq = gen<<32 | index, so a release
+// finds its buffer without a map and a stale seq does not match.
+type leaseSlot struct {
+	b   *Buffer
+	gen uint32
+}
+
+// NewExporter listens on the Unix socket at path (see transport.Listen for
+// the rules on its directory) and accepts consumers in the background. ctx
+// bounds the setup only. Buffers are lent from dctx's device; dctx must
+// outlive the Exporter.
+func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg ExporterConfig) (*Exporter, error) {
+	if dctx == nil {
+		return nil, errors.New("share: NewExporter: nil context")
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	dev := transport.UUID(dctx.Device().UUID())
+	tcfg := transport.DefaultConfig(transport.RoleProducer)
+	tcfg.Devices = []transport.UUID{dev}
+	tcfg.Logger = log
+	if len(cfg.AllowedUIDs) > 0 {
+		tcfg.AllowedUIDs = cfg.AllowedUIDs
+	}
+	ln, err := transport.Listen(ctx, path, tcfg)
+	if err != nil {
+		return nil, err
+	}
+	e := &Exporter{
+		dctx:   dctx,
+		dev:    dev,
+		ln:     ln,
+		log:    log,
+		done:   make(chan struct{}),
+		conns:  make(map[*consumer]struct{}),
+		allocs: make(map[uint64]*allocRec),
+		byBase: make(map[driver.DevicePtr]*allocRec),
+	}
+	e.life, e.cancel = context.WithCancel(context.Background())
+	e.wg.Add(1)
+	go e.acceptLoop()
+	return e, nil
+}
+
+// Addr returns the path of the exporter's socket.
+func (e *Exporter) Addr() string { return e.ln.Addr() }
+
+// --- Buffers ---------------------------------------------------------------
+
+// newRecLocked records an allocation. mu held.
+func (e *Exporter) newRecLocked(base driver.DevicePtr, size, bufID uint64, h driver.IpcMemHandle, owned bool) *allocRec {
+	e.lastAllocID++
+	rec := &allocRec{
+		id: e.lastAllocID, base: base, size: size, bufID: bufID, handle: transport.IPCHandle(h), owned: owned,
+		mappers: make(map[*consumer]struct{}),
+		evBufs:  make(map[*Buffer]struct{}),
+	}
+	e.allocs[rec.id] = rec
+	if !owned {
+		e.byBase[base] = rec
+	}
+	return rec
+}
+
+// Register lends size bytes at p, memory of the exporter's context that
+// the caller allocated and keeps ownership of. p need not be the base of
+// its allocation: the base and size are found with AddressRange, and the
+// allocation's IPC handle is taken once and cached for every buffer
+// registered in it. The allocation is told apart by base address and
+// buffer id, so memory freed and allocated again at the same address gets
+// a new record (and a new allocation id on the wire).
+//
+// The caller may free the memory only after Retire of a buffer in it has
+// returned: that is when no consumer maps it any more.
+func (e *Exporter) Register(p driver.DevicePtr, size uint64) (*Buffer, error) {
+	base, asize, err := e.dctx.AddressRange(p)
+	if err != nil {
+		return nil, fmt.Errorf("share: register %#x: %w", uint64(p), err)
+	}
+	off := uint64(p - base)
+	if size == 0 || size > asize-off {
+		return nil, fmt.Errorf("share: register %d bytes at %#x: the allocation at %#x has %d bytes: %w",
+			size, uint64(p), uint64(base), asize, driver.ErrInvalidValue)
+	}
+	bufID, err := e.dctx.BufferID(base)
+	if err != nil {
+		return nil, fmt.Errorf("share: register %#x: %w", uint64(p), err)
+	}
+	rec, err := e.registered(base, bufID)
+	if err != nil {
+		return nil, err
+	}
+	if rec == nil {
+		h, err := e.dctx.IpcGetMemHandle(base)
+		if err != nil {
+			return nil, fmt.Errorf("share: register %#x: %w", uint64(p), err)
+		}
+		e.mu.Lock()
+		if e.closing {
+			e.mu.Unlock()
+			return nil, ErrClosed
+		}
+		if rec = e.byBase[base]; rec == nil || rec.bufID != bufID {
+			rec = e.newRecLocked(base, asize, bufID, h, false)
+		}
+		e.mu.Unlock()
+	}
+	return &Buffer{e: e, rec: rec, off: off, size: size}, nil
+}
+
+// registered returns the live record of the allocation at base with
+// bufID, or nil if there is none. A record at base with another buffer id
+// is stale: its memory was freed behind the exporter's back and the
+// address reused. It is retired in the background (its consumers close the
+// old mapping) and forgotten.
+func (e *Exporter) registered(base driver.DevicePtr, bufID uint64) (*allocRec, error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closing {
+		return nil, ErrClosed
+	}
+	rec := e.byBase[base]
+	switch {
+	case rec == nil:
+		return nil, nil
+	case rec.bufID == bufID && rec.state == recLive:
+		return rec, nil
+	case rec.bufID == bufID:
+		return nil, fmt.Errorf("%w: register in allocation %d at %#x, which is being retired", ErrRetired, rec.id, uint64(base))
+	}
+	e.log.Warn("share: the allocation at this address was freed without Retire and the address reused; retiring the old record",
+		"base", fmt.Sprintf("%#x", uint64(base)), "alloc", rec.id, "old_buffer_id", rec.bufID, "new_buffer_id", bufID)
+	delete(e.byBase, base)
+	if rec.state == recLive {
+		rec.state = recRetiring
+		e.wg.Add(1)
+		go func() {
+			defer e.wg.Done()
+			if err := e.retire(e.life, rec); err != nil && e.life.Err() == nil {
+				e.log.Warn("share: retiring a stale allocation record failed", "alloc", rec.id, "err", err)
+			}
+		}()
+	}
+	return nil, nil
+}
+
+// allocOwned allocates size bytes that the exporter owns.
+func (e *Exporter) allocOwned(size uint64) (*allocRec, error) {
+	e.mu.Lock()
+	closing := e.closing
+	e.mu.Unlock()
+	if closing {
+		return nil, ErrClosed
+	}
+	p, err := e.dctx.Alloc(size)
+	if err != nil {
+		return nil, fmt.Errorf("share: %w", err)
+	}
+	fail := func(err error) (*allocRec, error) {
+		if ferr := e.dctx.Free(p); ferr != nil {
+			err = errors.Join(err, ferr)
+		}
+		if errors.Is(err, ErrClosed) {
+			return nil, err
+		}
+		return nil, fmt.Errorf("share: %w", err)
+	}
+	bufID, err := e.dctx.BufferID(p)
+	if err != nil {
+		return fail(err)
+	}
+	h, err := e.dctx.IpcGetMemHandle(p)
+	if err != nil {
+		return fail(err)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closing {
+		return fail(ErrClosed)
+	}
+	return e.newRecLocked(p, size, bufID, h, true), nil
+}
+
+// --- Offers -----------------------------------------------------------------
+
+// OfferOptions go with an offer.
+type OfferOptions struct {
+	// Meta is small user metadata (shape, dtype, ...): one msgpack value
+	// of at most transport.MaxMetaSize bytes, or nil. It is copied.
+	Meta []byte
+	// Stream, if not nil, is the stream whose work wrote the buffer: the
+	// buffer's interprocess event is recorded on it, and the consumer's
+	// stream waits for that event instead of the host synchronizing.
+	// Offers of one buffer that are in flight together must use the same
+	// stream. Nil: the buffer is ready when Offer is called and no event
+	// travels (and no event call is made).
+	Stream *driver.Stream
+}
+
+// Offer lends b to one consumer: the next, in round-robin order, that has
+// a credit; it waits within ctx while none has. This is work distribution:
+// each buffer goes to one consumer.
+//
+// The consumer holds the lease until it releases it; b.Wait, a Ring or an
+// arena buffer's Free tell the producer when that is. The producer must
+// not write b while it is leased.
+func (e *Exporter) Offer(ctx context.Context, b *Buffer, opts OfferOptions) error {
+	if err := e.own(b); err != nil {
+		return err
+	}
+	e.mu.Lock()
+	var c *consumer
+	for {
+		if err := e.offerableLocked(b); err != nil {
+			e.mu.Unlock()
+			return err
+		}
+		if c = e.pickLocked(); c != nil {
+			break
+		}
+		if err := e.waitLocked(ctx, &e.creditWait); err != nil {
+			e.mu.Unlock()
+			return err
+		}
+	}
+	seq, gen := e.reserveLocked(c, b)
+	ev := b.ev
+	e.mu.Unlock()
+	err := e.send(ctx, c, b, seq, gen, ev, &opts, true)
+	e.mu.Lock()
+	e.finishLocked(c, b, seq, err)
+	e.mu.Unlock()
+	return err
+}
+
+// Broadcast lends b to every consumer connected when it starts (waiting
+// within ctx for one if there is none), waiting within ctx for each to
+// have a credit. It returns how many it reached; a consumer that goes away
+// meanwhile is skipped. The event, if any, is recorded once.
+func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) (int, error) {
+	if err := e.own(b); err != nil {
+		return 0, err
+	}
+	e.mu.Lock()
+	for len(e.consumers) == 0 {
+		if err := e.offerableLocked(b); err != nil {
+			e.mu.Unlock()
+			return 0, err
+		}
+		if err := e.waitLocked(ctx, &e.changed); err != nil {
+			e.mu.Unlock()
+			return 0, err
+		}
+	}
+	if err := e.offerableLocked(b); err != nil {
+		e.mu.Unlock()
+		return 0, err
+	}
+	targets := slices.Clone(e.consumers)
+	// Pin b: a consumer that releases quickly must not return it to its
+	// ring (or free it) while the broadcast is still going.
+	b.sending++
+	b.rec.sending++
+	e.mu.Unlock()
+	defer func() {
+		e.mu.Lock()
+		e.unpinLocked(b)
+		e.mu.Unlock()
+	}()
+
+	record := true
+	n := 0
+	for _, c := range targets {
+		e.mu.Lock()
+		skip := false
+		for {
+			if err := e.offerableLocked(b); err != nil {
+				e.mu.Unlock()
+				return n, err
+			}
+			if c.dropped || !c.active {
+				skip = true
+				break
+			}
+			if c.out < c.window {
+				break
+			}
+			if err := e.waitLocked(ctx, &e.creditWait); err != nil {
+				e.mu.Unlock()
+				return n, err
+			}
+		}
+		if skip {
+			e.mu.Unlock()
+			continue
+		}
+		seq, gen := e.reserveLocked(c, b)
+		ev := b.ev
+		e.mu.Unlock()
+		err := e.send(ctx, c, b, seq, gen, ev, &opts, record)
+		e.mu.Lock()
+		e.finishLocked(c, b, seq, err)
+		e.mu.Unlock()
+		switch {
+		case err == nil:
+			n++
+			record = false
+		case ctx.Err() != nil || errors.Is(err, ErrClosed):
+			return n, err
+		case errors.Is(err, transport.ErrClosed), errors.Is(err, transport.ErrDisconnected),
+			errors.Is(err, transport.ErrWriteTimeout), errors.Is(err, transport.ErrRemote):
+			// This consumer is going away; its receive loop drops it.
+		default:
+			return n, err
+		}
+	}
+	return n, nil
+}
+
+// own checks that b is a live buffer of e.
+func (e *Exporter) own(b *Buffer) error {
+	if b == nil || b.e != e {
+		return errors.New("share: the buffer does not belong to this exporter")
+	}
+	return nil
+}
+
+// offerableLocked says why b cannot be offered, if it cannot. mu held.
+func (e *Exporter) offerableLocked(b *Buffer) error {
+	switch {
+	case e.closing:
+		return ErrClosed
+	case b.freed || b.freePending:
+		return ErrFreed
+	case b.rec.state != recLive:
+		return fmt.Errorf("%w: allocation %d", ErrRetired, b.rec.id)
+	}
+	return nil
+}
+
+// pickLocked returns the next consumer in rotation with a credit, or nil.
+func (e *Exporter) pickLocked() *consumer {
+	n := len(e.consumers)
+	for i := range n {
+		j := e.rr + i
+		if j >= n {
+			j -= n
+		}
+		if c := e.consumers[j]; c.out < c.window {
+			e.rr = j + 1
+			if e.rr == n {
+				e.rr = 0
+			}
+			return c
+		}
+	}
+	return nil
+}
+
+// reserveLocked takes a credit of c and a lease slot for b.
+func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64) {
+	var idx uint32
+	if n := len(c.freeSlots); n > 0 {
+		idx = c.freeSlots[n-1]
+		c.freeSlots = c.freeSlots[:n-1]
+	} else {
+		idx = uint32(len(c.slots))
+		c.slots = append(c.slots, leaseSlot{})
+	}
+	s := &c.slots[idx]
+	s.gen++
+	s.b = b
+	c.out++
+	b.leases++
+	b.sending++
+	b.offers++
+	b.rec.sending++
+	e.stats.Leases++
+	if _, ok := c.allocs[b.rec]; !ok {
+		c.allocs[b.rec] = false
+		b.rec.mappers[c] = struct{}{}
+	}
+	return uint64(s.gen)<<32 | uint64(idx), b.offers
+}
+
+// send records the event if asked, and queues the offer.
+func (e *Exporter) send(ctx context.Context, c *consumer, b *Buffer, seq, gen uint64, ev *expEvent, opts *OfferOptions, record bool) error {
+	if opts.Stream != nil {
+		if ev == nil {
+			var err error
+			if ev, err = e.bufferEvent(b); err != nil {
+				return err
+			}
+		}
+		if record {
+			if err := ev.ev.Record(opts.Stream); err != nil {
+				return fmt.Errorf("share: record the buffer's event: %w", err)
+			}
+		}
+	}
+	rec := b.rec
+	o := transport.Offer{
+		Seq: seq, AllocID: rec.id, Generation: gen, Handle: rec.handle,
+		AllocSize: rec.size, Offset: b.off, Size: b.size, Device: e.dev, Meta: opts.Meta,
+	}
+	if ev != nil && opts.Stream != nil {
+		o.Event, o.HasEvent = ev.h, true
+	}
+	return c.conn.SendOffer(ctx, &o)
+}
+
+// finishLocked ends a reservation: on success the offer is out; on error
+// it was not queued and the lease is undone.
+func (e *Exporter) finishLocked(c *consumer, b *Buffer, seq uint64, err error) {
+	if err == nil {
+		e.stats.Offers++
+		e.stats.BytesOffered += b.size
+		if b.ring != nil && b.held {
+			b.offered = true
+		}
+	} else if !c.dropped {
+		idx := uint32(seq)
+		if s := &c.slots[idx]; s.b == b && s.gen == uint32(seq>>32) {
+			s.b = nil
+			c.freeSlots = append(c.freeSlots, idx)
+			c.out--
+			b.leases--
+			e.stats.Leases--
+			e.notifyLocked(&e.creditWait)
+		}
+	}
+	e.unpinLocked(b)
+}
+
+// unpinLocked ends one in-flight send of b.
+func (e *Exporter) unpinLocked(b *Buffer) {
+	b.sending--
+	if b.rec.sending--; b.rec.sending == 0 && b.rec.state != recLive {
+		e.notifyLocked(&e.changed)
+	}
+	if b.leases == 0 && b.sending == 0 {
+		e.idleLocked(b)
+	}
+}
+
+// bufferEvent returns b's interprocess event, taking one from the pool or
+// creating one on first use.
+func (e *Exporter) bufferEvent(b *Buffer) (*expEvent, error) {
+	e.mu.Lock()
+	if ev := b.ev; ev != nil {
+		e.mu.Unlock()
+		return ev, nil
+	}
+	var ev *expEvent
+	if n := len(e.eventPool); n > 0 {
+		ev = e.eventPool[n-1]
+		e.eventPool = e.eventPool[:n-1]
+	}
+	e.mu.Unlock()
+	if ev == nil {
+		dev, err := e.dctx.NewEvent(driver.EventInterprocess | driver.EventDisableTiming)
+		if err != nil {
+			return nil, fmt.Errorf("share: create an interprocess event: %w", err)
+		}
+		h, err := dev.IpcHandle()
+		if err != nil {
+			dev.Close()
+			return nil, fmt.Errorf("share: interprocess event handle: %w", err)
+		}
+		ev = &expEvent{ev: dev, h: transport.IPCHandle(h)}
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if b.ev != nil {
+		e.eventPool = append(e.eventPool, ev)
+		return b.ev, nil
+	}
+	b.ev = ev
+	b.rec.evBufs[b] = struct{}{}
+	return ev, nil
+}
+
+// --- Waiting and notifying -------------------------------------------------
+
+// waitLocked waits for *ch to be closed by notifyLocked, within ctx and the
+// exporter's life. mu held on entry and on return.
+func (e *Exporter) waitLocked(ctx context.Context, ch *chan struct{}) error {
+	if *ch == nil {
+		*ch = make(chan struct{})
+	}
+	w := *ch
+	e.mu.Unlock()
+	var err error
+	select {
+	case <-w:
+	case <-ctx.Done():
+		err = ctx.Err()
+	case <-e.done:
+		err = ErrClosed
+	}
+	e.mu.Lock()
+	return err
+}
+
+// notifyLocked wakes the waiters of *ch. It allocates nothing when no one
+// waits.
+func (e *Exporter) notifyLocked(ch *chan struct{}) {
+	if *ch != nil {
+		close(*ch)
+		*ch = nil
+	}
+}
+
+// --- Consumers --------------------------------------------------------------
+
+// Consumers returns the number of consumers taking offers now.
+func (e *Exporter) Consumers() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return len(e.consumers)
+}
+
+// WaitConsumers waits within ctx until at least n consumers take offers.
+func (e *Exporter) WaitConsumers(ctx context.Context, n int) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for len(e.consumers) < n {
+		if e.closing {
+			return ErrClosed
+		}
+		if err := e.waitLocked(ctx, &e.changed); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Stats returns the exporter's counters.
+func (e *Exporter) Stats() ExporterStats {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	s := e.stats
+	s.Consumers = len(e.consumers)
+	s.Allocations = len(e.allocs)
+	return s
+}
+
+func (e *Exporter) acceptLoop() {
+	defer e.wg.Done()
+	for {
+		conn, err := e.ln.Accept(e.life)
+		if err != nil {
+			return
+		}
+		peer := conn.Peer()
+		c := &consumer{
+			e: e, conn: conn, peer: peer,
+			watch:  watchProcess(int(peer.PID)),
+			window: conn.Credits(),
+			allocs: make(map[*allocRec]bool),
+			ended:  make(chan struct{}),
+		}
+		e.mu.Lock()
+		if e.closing {
+			e.mu.Unlock()
+			ctx, cancel := context.WithTimeout(e.life, time.Second)
+			conn.Shutdown(ctx, "producer shutting down")
+			cancel()
+			c.watch.close()
+			continue
+		}
+		e.conns[c] = struct{}{}
+		e.consumers = append(e.consumers, c)
+		c.active = true
+		e.notifyLocked(&e.changed)
+		e.notifyLocked(&e.creditWait)
+		e.mu.Unlock()
+		e.log.Debug("share: consumer connected", "peer", peer.String(), "credits", c.window)
+		e.wg.Add(1)
+		go c.recvLoop()
+	}
+}
+
+func (c *consumer) recvLoop() {
+	e := c.e
+	defer e.wg.Done()
+	defer c.watch.close()
+	var m transport.Message
+	var err error
+	for {
+		if err = c.conn.Recv(context.Background(), &m); err != nil {
+			break
+		}
+		switch m.Kind {
+		case transport.KindRelease:
+			e.onRelease(c, m.Seqs)
+		case transport.KindClosed:
+			e.onClosed(c, m.AllocID)
+		case transport.KindCredit:
+			e.mu.Lock()
+			c.window += uint64(m.Credits)
+			e.notifyLocked(&e.creditWait)
+			e.mu.Unlock()
+		case transport.KindGoodbye:
+			e.mu.Lock()
+			c.saidBye = true
+			e.deactivateLocked(c)
+			e.mu.Unlock()
+			err = io.EOF // nothing comes after it
+		}
+		if err != nil {
+			break
+		}
+	}
+	close(c.ended)
+	e.onGone(c, err)
+}
+
+func (e *Exporter) onRelease(c *consumer, seqs []uint64) {
+	bad := 0
+	e.mu.Lock()
+	for _, seq := range seqs {
+		idx := uint32(seq)
+		if int(idx) >= len(c.slots) || c.slots[idx].gen != uint32(seq>>32) || c.slots[idx].b == nil {
+			bad++
+			continue
+		}
+		s := &c.slots[idx]
+		b := s.b
+		s.b = nil
+		c.freeSlots = append(c.freeSlots, idx)
+		c.out--
+		e.stats.Releases++
+		e.unleaseLocked(b)
+	}
+	e.notifyLocked(&e.creditWait)
+	e.mu.Unlock()
+	if bad > 0 {
+		e.log.Warn("share: consumer released offers it does not hold", "peer", c.peer.String(), "count", bad)
+	}
+}
+
+// unleaseLocked ends one lease of b.
+func (e *Exporter) unleaseLocked(b *Buffer) {
+	b.leases--
+	e.stats.Leases--
+	if b.leases == 0 && b.sending == 0 {
+		e.idleLocked(b)
+	}
+}
+
+// idleLocked runs when b has no lease and no offer in flight: waiters
+// wake, a pending Free completes, a ring buffer that was offered goes back
+// to its ring.
+func (e *Exporter) idleLocked(b *Buffer) {
+	e.notifyLocked(&b.idle)
+	switch {
+	case b.freePending:
+		e.freeBufferLocked(b)
+	case b.ring != nil && b.held && b.offered:
+		b.held, b.offered = false, false
+		b.ring.free <- b // never blocks: the ring has room for all its buffers
+	}
+}
+
+func (e *Exporter) onClosed(c *consumer, allocID uint64) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	rec := e.allocs[allocID]
+	if rec == nil {
+		return
+	}
+	if _, ok := c.allocs[rec]; !ok {
+		return
+	}
+	delete(c.allocs, rec)
+	delete(rec.mappers, c)
+	if rec.state != recLive && len(rec.mappers) == 0 {
+		e.notifyLocked(&e.changed)
+	}
+}
+
+// deactivateLocked takes c out of the rotation.
+func (e *Exporter) deactivateLocked(c *consumer) {
+	if !c.active {
+		return
+	}
+	c.active = false
+	if i := slices.Index(e.consumers, c); i >= 0 {
+		e.consumers = slices.Delete(e.consumers, i, i+1)
+		if e.rr > i {
+			e.rr--
+		}
+		if e.rr >= len(e.consumers) {
+			e.rr = 0
+		}
+	}
+	e.notifyLocked(&e.changed)
+	e.notifyLocked(&e.creditWait)
+}
+
+// onGone handles the end of c's connection. After a goodbye (either way)
+// c's leases and mappings are void at once. Without one, they are void
+// only once c's process has exited, which unmapped them: until then they
+// keep their buffers leased and their allocations unfreed.
+func (e *Exporter) onGone(c *consumer, err error) {
+	e.mu.Lock()
+	e.deactivateLocked(c)
+	clean := c.saidBye || c.sentBye
+	if !clean && e.life.Err() == nil {
+		e.stats.ConsumersLost++
+	}
+	e.mu.Unlock()
+	c.conn.Close()
+	if e.life.Err() != nil {
+		return // Close deals with what is left
+	}
+	if !clean {
+		e.log.Warn("share: consumer lost without a goodbye; its leases and mappings end when its process exits",
+			"peer", c.peer.String(), "err", err)
+		if werr := c.watch.wait(e.life); werr != nil {
+			return
+		}
+		e.log.Info("share: lost consumer's process exited; reclaiming its leases and mappings", "peer", c.peer.String())
+	}
+	e.mu.Lock()
+	e.dropLocked(c)
+	e.mu.Unlock()
+}
+
+// dropLocked voids every lease and mapping of c.
+func (e *Exporter) dropLocked(c *consumer) {
+	if c.dropped {
+		return
+	}
+	c.dropped = true
+	delete(e.conns, c)
+	for i := range c.slots {
+		if b := c.slots[i].b; b != nil {
+			c.slots[i].b = nil
+			e.stats.Releases++
+			e.unleaseLocked(b)
+		}
+	}
+	c.slots, c.freeSlots, c.out = nil, nil, 0
+	for rec := range c.allocs {
+		delete(rec.mappers, c)
+	}
+	c.allocs = nil
+	e.notifyLocked(&e.changed)
+}
+
+// --- Retiring ----------------------------------------------------------------
+
+// Retire retires the allocation that holds b, with every buffer in it:
+// offers of them stop, every consumer that may map it is told, and once
+// each has closed its mapping (or said goodbye, or its process exited) the
+// allocation is freed if the exporter allocated it (a Ring or an Arena),
+// or handed back to its owner (Register). It waits within ctx and never
+// frees early: if ctx ends first it returns ctx's error and the
+// retirement goes on; a later Retire or Shutdown finishes it.
+func (e *Exporter) Retire(ctx context.Context, b *Buffer) error {
+	if err := e.own(b); err != nil {
+		return err
+	}
+	return e.retire(ctx, b.rec)
+}
+
+func (e *Exporter) retire(ctx context.Context, rec *allocRec) error {
+	if err := e.startRetire(ctx, rec); err != nil {
+		return err
+	}
+	return e.finishRetire(ctx, rec)
+}
+
+// startRetire stops offers of rec and tells its consumers.
+func (e *Exporter) startRetire(ctx context.Context, rec *allocRec) error {
+	e.mu.Lock()
+	if rec.state == recLive {
+		rec.state = recRetiring
+		e.notifyLocked(&e.creditWait) // offers waiting for credit give up
+		if rec.arena != nil {
+			e.notifyLocked(&rec.arena.room)
+		}
+	}
+	// An offer of rec between reservation and queueing would reach the
+	// consumer after the retire: wait for those to leave first.
+	for rec.sending > 0 {
+		if err := e.waitLocked(ctx, &e.changed); err != nil {
+			e.mu.Unlock()
+			return err
+		}
+	}
+	var targets []*consumer
+	for c := range rec.mappers {
+		if !c.allocs[rec] {
+			c.allocs[rec] = true
+			targets = append(targets, c)
+		}
+	}
+	e.mu.Unlock()
+	for _, c := range targets {
+		if err := c.conn.SendRetire(ctx, rec.id); err != nil && ctx.Err() != nil {
+			e.mu.Lock()
+			if _, ok := c.allocs[rec]; ok {
+				c.allocs[rec] = false // tell it on the next try
+			}
+			e.mu.Unlock()
+			return err
+		}
+		// Any other error means the connection failed: c is dropped
+		// once it is known to hold nothing.
+	}
+	return nil
+}
+
+// finishRetire waits until no consumer maps rec, then frees it.
+func (e *Exporter) finishRetire(ctx context.Context, rec *allocRec) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for {
+		switch {
+		case rec.state == recFreed:
+			return nil
+		case rec.state == recRetiring && len(rec.mappers) == 0 && rec.sending == 0:
+			rec.state = recFreeing
+			e.mu.Unlock()
+			var err error
+			if rec.owned {
+				err = e.dctx.Free(rec.base)
+			}
+			e.mu.Lock()
+			if err != nil {
+				rec.state = recRetiring
+				e.notifyLocked(&e.changed)
+				return fmt.Errorf("share: free allocation %d at %#x: %w", rec.id, uint64(rec.base), err)
+			}
+			e.dropRecLocked(rec)
+			return nil
+		}
+		if err := e.waitLocked(ctx, &e.changed); err != nil {
+			return err
+		}
+	}
+}
+
+// dropRecLocked forgets a freed (or handed back) allocation.
+func (e *Exporter) dropRecLocked(rec *allocRec) {
+	rec.state = recFreed
+	delete(e.allocs, rec.id)
+	if e.byBase[rec.base] == rec {
+		delete(e.byBase, rec.base)
+	}
+	for b := range rec.evBufs {
+		e.eventPool = append(e.eventPool, b.ev)
+		b.ev = nil
+	}
+	clear(rec.evBufs)
+	if rec.ring != nil {
+		close(rec.ring.dead)
+	}
+	e.stats.Retired++
+	e.notifyLocked(&e.changed)
+}
+
+// --- Ending -------------------------------------------------------------------
+
+// Shutdown ends the exporter gracefully: it stops offering and accepting,
+// retires every allocation, waits within ctx until every consumer has
+// closed its mappings (or left), frees what the exporter allocated, says
+// goodbye to each consumer and closes. If ctx ends first it closes at
+// once, as Close does, and returns ctx's error.
+func (e *Exporter) Shutdown(ctx context.Context) error {
+	e.mu.Lock()
+	e.closing = true
+	e.notifyLocked(&e.creditWait)
+	e.notifyLocked(&e.changed)
+	recs := slices.Collect(maps.Values(e.allocs))
+	e.mu.Unlock()
+	e.ln.Close()
+	var err error
+	for _, rec := range recs {
+		if err = e.startRetire(ctx, rec); err != nil {
+			break
+		}
+	}
+	if err == nil {
+		for _, rec := range recs {
+			if err = e.finishRetire(ctx, rec); err != nil {
+				break
+			}
+		}
+	}
+	if err == nil {
+		e.mu.Lock()
+		conns := slices.Collect(maps.Keys(e.conns))
+		for _, c := range conns {
+			c.sentBye = true
+		}
+		e.mu.Unlock()
+		// Say goodbye to all, then wait for each to close (a consumer
+		// closes when it reads the goodbye): closing first could make a
+		// consumer's last write fail before it has read the goodbye.
+		for _, c := range conns {
+			c.conn.SendGoodbye(ctx, "producer shut down")
+		}
+		for _, c := range conns {
+			select {
+			case <-c.ended:
+				continue
+			case <-ctx.Done():
+				err = ctx.Err()
+			}
+			break
+		}
+	}
+	return errors.Join(err, e.Close())
+}
+
+// Close ends the exporter at once: it stops listening and closes every
+// connection without waiting for anything. It frees only the allocations
+// it made that no consumer may still map; an allocation that a consumer
+// may still map is never freed early: it stays allocated (and is logged)
+// until the context is destroyed or the process exits. Use Shutdown to
+// free everything. Close is idempotent.
+func (e *Exporter) Close() error {
+	var errs []error
+	e.closeOnce.Do(func() {
+		e.mu.Lock()
+		e.closing = true
+		close(e.done)
+		conns := slices.Collect(maps.Keys(e.conns))
+		e.mu.Unlock()
+		e.ln.Close()
+		e.cancel()
+		for _, c := range conns {
+			c.conn.Close()
+		}
+		e.wg.Wait()
+
+		e.mu.Lock()
+		defer e.mu.Unlock()
+		for _, rec := range e.allocs {
+			if rec.state == recFreed || rec.state == recFreeing {
+				continue // a Retire in flight frees it
+			}
+			if len(rec.mappers) > 0 || rec.sending > 0 {
+				if rec.owned {
+					e.log.Warn("share: Close leaves an allocation that a consumer may still map allocated",
+						"alloc", rec.id, "base", fmt.Sprintf("%#x", uint64(rec.base)), "size", rec.size, "consumers", len(rec.mappers))
+				}
+				continue
+			}
+			if rec.owned {
+				if err := e.dctx.Free(rec.base); err != nil {
+					errs = append(errs, fmt.Errorf("share: free allocation %d: %w", rec.id, err))
+					continue
+				}
+			}
+			e.dropRecLocked(rec)
+		}
+		for _, ev := range e.eventPool {
+			if err := ev.ev.Close(); err != nil {
+				errs = append(errs, err)
+			}
+		}
+		e.eventPool = nil
+	})
+	return errors.Join(errs...)
+}

@@ -1,0 +1,553 @@
+//go:build linux
+
+package share
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+	"weak"
+
+	"github.com/seed743c36cf/cudashare/driver"
+	"github.com/seed743c36cf/cudashare/transport"
+)
+
+// ImporterConfig configures an Importer. The zero value is usable.
+type ImporterConfig struct {
+	// Credits is the most leases the importer holds at once, queued and
+	// handed out: the producer never lends more. 0 means 64; at most
+	// MaxCredits.
+	Credits uint32
+	// Stream is the stream, of the importer's context, that is made to
+	// wait on the producer's event when Next hands out a lease whose offer
+	// carries one; work on it (or after it) sees the producer's writes.
+	// Nil: Next synchronizes the event on the host instead.
+	Stream *driver.Stream
+	// Registry holds the mappings. Importers of one process may share
+	// one, and then share mappings. Nil means a registry of this importer
+	// alone.
+	Registry *Registry
+	// AllowedUIDs are the users whose producers are accepted. Empty means
+	// this process's effective user only.
+	AllowedUIDs []uint32
+	// Logger receives leases that were garbage-collected without Release.
+	// Nil means slog.Default().
+	Logger *slog.Logger
+}
+
+// MaxCredits bounds ImporterConfig.Credits.
+const MaxCredits = 1 << 16
+
+// ImporterStats are an importer's counters.
+type ImporterStats struct {
+	Leases   uint64 // handed out by Next
+	Released uint64 // released, by Release or on the user's behalf
+	Leaked   uint64 // garbage-collected without Release (and then released)
+	Held     int    // handed out and not released now
+	Mappings int    // allocations this importer holds open now
+	Retired  uint64 // allocations the producer retired that this importer closed
+}
+
+// importer states.
+const (
+	stateOpen     = iota
+	stateShutting // Shutdown: no new leases, waiting for the held ones
+	stateClosed
+)
+
+// Importer is the consumer side: one connection to a producer. A
+// goroutine of its own receives offers, maps them (through the registry:
+// one open per allocation) and queues them for Next, and answers the
+// producer's retires as soon as no lease is in the allocation, whether or
+// not anyone calls Next.
+type Importer struct {
+	dctx   *driver.Context
+	dev    driver.UUID
+	conn   *transport.Conn
+	peer   transport.Peer
+	reg    *Registry
+	stream *driver.Stream
+	log    *slog.Logger
+
+	ready    chan *Lease   // mapped offers for Next, and mapping errors
+	stop     chan struct{} // closed when Next must stop: producer gone, Shutdown or Close
+	recvDone chan struct{}
+	leaked   atomic.Uint64
+
+	mu       sync.Mutex
+	state    int
+	ended    error // why no more leases come; set with stop closed
+	gone     bool  // the producer is gone: nothing more is sent to it
+	allocs   map[uint64]*impAlloc
+	block    weak.Pointer[leaseBlock] // where new leases come from
+	events   map[transport.IPCHandle]*driver.Event
+	held     int           // leases handed out and not released
+	heldZero chan struct{} // closed when held reaches 0; made by Shutdown
+	stats    ImporterStats
+	byeWhy   string
+}
+
+// impAlloc is an allocation this importer holds open in the registry.
+type impAlloc struct {
+	id      uint64
+	handle  transport.IPCHandle
+	ent     *regEntry
+	leases  int  // queued and handed out
+	retired bool // the producer retired it: close once no lease is in it
+	closed  bool // this importer's hold is dropped
+}
+
+// Dial connects to the exporter at path and returns an importer mapping
+// into dctx, which must outlive it.
+func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterConfig) (*Importer, error) {
+	if dctx == nil {
+		return nil, errors.New("share: Dial: nil context")
+	}
+	if cfg.Credits == 0 {
+		cfg.Credits = 64
+	}
+	if cfg.Credits > MaxCredits {
+		return nil, fmt.Errorf("share: Dial: Credits %d, limit %d", cfg.Credits, MaxCredits)
+	}
+	log := cfg.Logger
+	if log == nil {
+		log = slog.Default()
+	}
+	reg := cfg.Registry
+	if reg == nil {
+		reg = NewRegistry()
+	}
+	dev := dctx.Device().UUID()
+	tcfg := transport.DefaultConfig(transport.RoleConsumer)
+	tcfg.Devices = []transport.UUID{transport.UUID(dev)}
+	tcfg.Credits = cfg.Credits
+	tcfg.Logger = log
+	if len(cfg.AllowedUIDs) > 0 {
+		tcfg.AllowedUIDs = cfg.AllowedUIDs
+	}
+	conn, err := transport.Dial(ctx, path, tcfg)
+	if err != nil {
+		return nil, err
+	}
+	im := &Importer{
+		dctx: dctx, dev: dev, conn: conn, peer: conn.Peer(), reg: reg, stream: cfg.Stream, log: log,
+		// Room for every credit, and as much again for mapping errors,
+		// which are released at once and so free their credit.
+		ready:    make(chan *Lease, 2*int(cfg.Credits)),
+		stop:     make(chan struct{}),
+		recvDone: make(chan struct{}),
+		allocs:   make(map[uint64]*impAlloc),
+		events:   make(map[transport.IPCHandle]*driver.Event),
+	}
+	go im.recvLoop()
+	return im, nil
+}
+
+// Producer describes the producer this importer is connected to.
+func (im *Importer) Producer() transport.Peer { return im.peer }
+
+// Registry returns the registry holding the importer's mappings.
+func (im *Importer) Registry() *Registry { return im.reg }
+
+// Stats returns the importer's counters.
+func (im *Importer) Stats() ImporterStats {
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	s := im.stats
+	s.Leaked = im.leaked.Load()
+	s.Held = im.held
+	for _, a := range im.allocs {
+		if !a.closed {
+			s.Mappings++
+		}
+	}
+	return s
+}
+
+// Next waits within ctx for the next lease. The lease's memory is mapped
+// and, if the offer carries an event, the importer's stream waits on it
+// (or the host synchronized it) before Next returns.
+//
+// Once the producer is gone, Next returns an error matching
+// ErrProducerGone (and io.EOF if the producer said goodbye); after
+// Shutdown or Close, ErrClosed. An offer that could not be mapped gives
+// its error (ErrPeerAccessUnsupported, ErrStaleHandle, ...) once, and the
+// offer is handed back to the producer; the importer goes on.
+func (im *Importer) Next(ctx context.Context) (*Lease, error) {
+	select {
+	case l := <-im.ready:
+		if l.err != nil {
+			return nil, l.err
+		}
+		if err := im.handOut(l); err != nil {
+			return nil, err
+		}
+		if l.ev != nil {
+			var err error
+			if im.stream != nil {
+				err = im.stream.WaitEvent(l.ev)
+			} else {
+				err = l.ev.Synchronize()
+			}
+			if err != nil {
+				l.Release()
+				return nil, fmt.Errorf("share: wait for the producer's event: %w", err)
+			}
+		}
+		return l, nil
+	case <-im.stop:
+		if err := ctx.Err(); err != nil {
+			return nil, err
+		}
+		im.mu.Lock()
+		defer im.mu.Unlock()
+		return nil, im.ended
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// handOut accounts for a lease given to the user, unless the importer has
+// stopped meanwhile, in which case the lease is dropped.
+func (im *Importer) handOut(l *Lease) error {
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	if im.ended != nil {
+		im.dropQueuedLocked(l)
+		return im.ended
+	}
+	l.st.out[l.idx] = heldLease{a: l.a, seq: l.seq, live: true}
+	im.held++
+	im.stats.Leases++
+	return nil
+}
+
+// recvLoop receives the producer's messages until the connection ends.
+func (im *Importer) recvLoop() {
+	defer close(im.recvDone)
+	var m transport.Message
+	var err error
+	for {
+		if err = im.conn.Recv(context.Background(), &m); err != nil {
+			break
+		}
+		switch m.Kind {
+		case transport.KindOffer:
+			im.onOffer(&m.Offer)
+		case transport.KindRetire:
+			im.onRetire(m.AllocID)
+		case transport.KindGoodbye:
+			im.mu.Lock()
+			im.byeWhy = m.Reason
+			im.mu.Unlock()
+			err = io.EOF
+		}
+		if err != nil {
+			break
+		}
+	}
+	im.onEnd(err)
+	// Nothing comes after a goodbye; closing at once lets a producer that
+	// lingers after its goodbye finish.
+	im.conn.Close()
+}
+
+// onOffer maps an offer and queues its lease.
+func (im *Importer) onOffer(o *transport.Offer) {
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	if im.state != stateOpen {
+		// Shutting down: hand it straight back.
+		im.sendReleaseLocked(o.Seq)
+		return
+	}
+	l, err := im.leaseLocked(o)
+	if err != nil {
+		im.sendReleaseLocked(o.Seq)
+		l = &Lease{err: fmt.Errorf("share: offer %d of allocation %d: %w", o.Seq, o.AllocID, err)}
+	}
+	select {
+	case im.ready <- l:
+	default:
+		// Only errors can find the queue full (leases are bounded by the
+		// credits): drop this one.
+		im.log.Warn("share: dropping an offer error, too many queued", "err", l.err)
+	}
+}
+
+// leaseLocked maps o (or finds its mapping) and builds its lease.
+func (im *Importer) leaseLocked(o *transport.Offer) (*Lease, error) {
+	a := im.allocs[o.AllocID]
+	switch {
+	case a == nil:
+		key := regKey{
+			pid: im.peer.PID, inst: im.peer.InstanceID,
+			src: driver.UUID(o.Device), dst: im.dev, handle: o.Handle,
+		}
+		ent, err := im.reg.acquire(im.dctx, &key, o.AllocID, o.AllocSize)
+		if err != nil {
+			return nil, err
+		}
+		a = &impAlloc{id: o.AllocID, handle: o.Handle, ent: ent}
+		im.allocs[o.AllocID] = a
+	case a.handle != o.Handle:
+		return nil, fmt.Errorf("%w: allocation %d was mapped from another handle", ErrStaleHandle, o.AllocID)
+	case a.retired:
+		return nil, fmt.Errorf("%w: allocation %d was offered after the producer retired it", ErrStaleHandle, o.AllocID)
+	}
+	if o.Offset+o.Size > a.ent.size {
+		return nil, fmt.Errorf("share: offer of [%d, %d) beyond the %d bytes mapped: %w",
+			o.Offset, o.Offset+o.Size, a.ent.size, driver.ErrInvalidValue)
+	}
+	var ev *driver.Event
+	if o.HasEvent {
+		if ev = im.events[o.Event]; ev == nil {
+			var err error
+			if ev, err = im.dctx.IpcOpenEventHandle(driver.IpcEventHandle(o.Event)); err != nil {
+				return nil, fmt.Errorf("share: open the producer's event: %w", err)
+			}
+			im.events[o.Event] = ev
+		}
+	}
+	l := im.newLeaseLocked()
+	l.a, l.seq, l.gen, l.ptr, l.size, l.ev = a, o.Seq, o.Generation, a.ent.ptr+driver.DevicePtr(o.Offset), o.Size, ev
+	if n := len(o.Meta); n > 0 {
+		if n <= len(l.metaBuf) {
+			l.meta = l.metaBuf[:copy(l.metaBuf[:], o.Meta)]
+		} else {
+			l.meta = append([]byte(nil), o.Meta...)
+		}
+	}
+	a.leases++
+	return l, nil
+}
+
+// onRetire closes the allocation's mapping now if no lease is in it, else
+// when the last one is released.
+func (im *Importer) onRetire(allocID uint64) {
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	a := im.allocs[allocID]
+	if a == nil {
+		// Never mapped here (its offer failed to map): nothing to close.
+		im.sendClosedLocked(allocID)
+		return
+	}
+	a.retired = true
+	if a.leases == 0 {
+		im.closeAllocLocked(a)
+	}
+}
+
+// closeAllocLocked drops this importer's hold on a's mapping (the
+// registry closes it with the last hold) and, if the producer retired it,
+// confirms with closed.
+func (im *Importer) closeAllocLocked(a *impAlloc) {
+	if a.closed {
+		return
+	}
+	a.closed = true
+	delete(im.allocs, a.id)
+	if err := im.reg.release(a.ent); err != nil {
+		im.log.Error("share: closing a mapping failed", "alloc", a.id, "err", err)
+	}
+	if a.retired {
+		im.stats.Retired++
+		im.sendClosedLocked(a.id)
+	}
+}
+
+// sendReleaseLocked and sendClosedLocked send to the producer unless it
+// is gone. Sends only queue (the connection's writer writes), so holding
+// mu keeps releases and closes in order with the state they report. A
+// failure means the connection failed; the receive loop sees it and ends
+// the importer.
+func (im *Importer) sendReleaseLocked(seq uint64) {
+	if !im.gone {
+		im.sendFailed(im.conn.SendRelease(context.Background(), seq))
+	}
+}
+
+func (im *Importer) sendClosedLocked(allocID uint64) {
+	if !im.gone {
+		im.sendFailed(im.conn.SendClosed(context.Background(), allocID))
+	}
+}
+
+func (im *Importer) sendFailed(err error) {
+	if err != nil && !errors.Is(err, transport.ErrClosed) {
+		im.log.Debug("share: send to the producer failed", "err", err)
+	}
+}
+
+// releaseLocked ends a lease handed out by Next. mu held.
+func (im *Importer) releaseLocked(a *impAlloc, seq uint64) {
+	if im.held--; im.held == 0 {
+		im.notifyHeldLocked()
+	}
+	im.stats.Released++
+	if a.closed {
+		return // force-closed by Close
+	}
+	a.leases--
+	im.sendReleaseLocked(seq)
+	if a.leases == 0 && (a.retired || im.gone || im.state == stateClosed) {
+		im.closeAllocLocked(a)
+	}
+}
+
+// dropQueuedLocked ends a lease that was never handed out.
+func (im *Importer) dropQueuedLocked(l *Lease) {
+	if l.err != nil || l.a.closed {
+		return
+	}
+	l.a.leases--
+	im.sendReleaseLocked(l.seq)
+	if l.a.leases == 0 && (l.a.retired || im.gone || im.state != stateOpen) {
+		im.closeAllocLocked(l.a)
+	}
+}
+
+// drainLocked drops every queued lease.
+func (im *Importer) drainLocked() {
+	for {
+		select {
+		case l := <-im.ready:
+			im.dropQueuedLocked(l)
+		default:
+			return
+		}
+	}
+}
+
+func (im *Importer) notifyHeldLocked() {
+	if im.heldZero != nil {
+		close(im.heldZero)
+		im.heldZero = nil
+	}
+}
+
+// endLocked stops Next with err.
+func (im *Importer) endLocked(err error) {
+	if im.ended == nil {
+		im.ended = err
+		close(im.stop)
+	}
+}
+
+// onEnd runs when the connection has ended: the producer is gone, or
+// this side closed it.
+func (im *Importer) onEnd(err error) {
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	im.gone = true
+	if im.state == stateOpen {
+		switch {
+		case err == io.EOF:
+			im.endLocked(fmt.Errorf("%w (goodbye: %q): %w", ErrProducerGone, im.byeWhy, io.EOF))
+		default:
+			im.endLocked(fmt.Errorf("%w: %w", ErrProducerGone, err))
+		}
+	}
+	im.drainLocked()
+	// Mappings no lease is in close now; the others with their last
+	// release. The producer's memory stays alive while mapped.
+	for _, a := range im.allocs {
+		if a.leases == 0 {
+			im.closeAllocLocked(a)
+		}
+	}
+}
+
+// Shutdown ends the importer gracefully: Next stops handing out leases
+// (offers still arriving go back to the producer), Shutdown waits within
+// ctx until every lease handed out is released, closes every mapping,
+// confirms the allocations the producer retired, says goodbye and closes
+// the connection. Mappings are closed before the goodbye, so the producer
+// may free its memory as soon as it reads it. If ctx ends first, Shutdown
+// closes at once, as Close does, and returns ctx's error.
+func (im *Importer) Shutdown(ctx context.Context) error {
+	im.mu.Lock()
+	if im.state == stateClosed {
+		im.mu.Unlock()
+		return nil
+	}
+	im.state = stateShutting
+	im.endLocked(fmt.Errorf("%w: importer shut down", ErrClosed))
+	im.drainLocked()
+	for im.held > 0 {
+		if im.heldZero == nil {
+			im.heldZero = make(chan struct{})
+		}
+		w := im.heldZero
+		im.mu.Unlock()
+		select {
+		case <-w:
+		case <-ctx.Done():
+			return errors.Join(ctx.Err(), im.Close())
+		}
+		im.mu.Lock()
+	}
+	im.mu.Unlock()
+	return im.close(ctx, "consumer shut down")
+}
+
+// Close ends the importer without waiting for leases: every mapping is
+// closed, including those of leases not yet released (their pointers are
+// invalid from now on; their Release does nothing), the producer is told
+// goodbye (Close waits at most a second for it to read it and hang up) and
+// the connection is closed. Close is idempotent.
+func (im *Importer) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	return im.close(ctx, "consumer closed")
+}
+
+func (im *Importer) close(ctx context.Context, reason string) error {
+	im.mu.Lock()
+	if im.state == stateClosed {
+		im.mu.Unlock()
+		<-im.recvDone
+		return nil
+	}
+	im.state = stateClosed
+	im.endLocked(fmt.Errorf("%w: importer closed", ErrClosed))
+	im.drainLocked()
+	for _, a := range im.allocs {
+		im.closeAllocLocked(a)
+	}
+	gone := im.gone
+	im.gone = true // nothing more is sent but the goodbye
+	im.mu.Unlock()
+	var err error
+	if !gone {
+		// Every mapping is closed: the goodbye lets the producer free. Stay
+		// connected until the producer has read it and closed (or ctx
+		// ends), so that its writes meanwhile cannot fail and lose the
+		// goodbye, which would make it wait for this process to exit.
+		if serr := im.conn.SendGoodbye(ctx, reason); serr == nil {
+			select {
+			case <-im.recvDone:
+			case <-ctx.Done():
+			}
+		} else if !errors.Is(serr, transport.ErrClosed) && !errors.Is(serr, transport.ErrDisconnected) {
+			err = serr
+		}
+	}
+	im.conn.Close()
+	<-im.recvDone
+	im.mu.Lock()
+	for h, ev := range im.events {
+		if cerr := ev.Close(); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+		delete(im.events, h)
+	}
+	im.mu.Unlock()
+	return err
+}

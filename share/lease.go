@@ -1,0 +1,150 @@
+//go:build linux
+
+package share
+
+import (
+	"runtime"
+	"sync/atomic"
+	"weak"
+
+	"github.com/seed743c36cf/cudashare/driver"
+)
+
+// Lease is one buffer lent by the producer, mapped in this process. Its
+// pointer is valid until Release (or until the importer is closed); the
+// producer does not write the buffer, retire or free its allocation while
+// the lease is held.
+//
+// # Leases that are never released
+//
+// A Lease that becomes garbage without Release is released on the user's
+// behalf, logged as an error and counted in ImporterStats.Leaked;
+// otherwise its credit and its allocation would be held until the importer
+// closes. That can only happen once nothing refers to the lease, and a
+// pointer is valid only while its lease is held, so it cannot take memory
+// from under a user who keeps the contract; close-before-free holds,
+// since the mapping is still closed before the producer is told.
+//
+// Leases are allocated in blocks of leaseBlockSize, each watched by one
+// cleanup (runtime.AddCleanup) that runs when the whole block is garbage:
+// the handoff path allocates nothing and registers nothing per lease. So a
+// lease dropped without Release is reported once it and the other leases
+// of its block are all unreachable: promptly for a consumer that drops its
+// leases, later if it keeps one of them for long.
+type Lease struct {
+	a       *impAlloc
+	st      *blockState
+	idx     int // in the block
+	seq     uint64
+	gen     uint64
+	ptr     driver.DevicePtr
+	size    uint64
+	meta    []byte
+	ev      *driver.Event
+	err     error // a queued mapping failure, for Next; not a lease
+	done    atomic.Bool
+	metaBuf [48]byte // small metadata lives here, with no allocation of its own
+}
+
+// leaseBlockSize is the number of leases allocated together.
+const leaseBlockSize = 32
+
+// leaseBlock is what the garbage collector watches.
+type leaseBlock struct {
+	leases [leaseBlockSize]Lease
+	used   int // guarded by Importer.mu
+}
+
+// blockState is the cleanup's view of a block: which of its leases were
+// handed out and not released. It must not refer to the block, or the
+// block would never become garbage. Guarded by Importer.mu.
+type blockState struct {
+	im  *Importer
+	out [leaseBlockSize]heldLease
+}
+
+// heldLease is a lease handed out by Next, as its block's cleanup sees it.
+type heldLease struct {
+	a    *impAlloc
+	seq  uint64
+	live bool // handed out and not released
+}
+
+// newLeaseLocked returns a zero Lease from the current block, starting a
+// new block when it is full or was collected. The importer holds its
+// current block only weakly, so that a block whose leases were all dropped
+// can be collected even while it has room. mu held.
+func (im *Importer) newLeaseLocked() *Lease {
+	blk := im.block.Value()
+	if blk == nil || blk.used == leaseBlockSize {
+		blk = new(leaseBlock)
+		st := &blockState{im: im}
+		for i := range blk.leases {
+			blk.leases[i].st, blk.leases[i].idx = st, i
+		}
+		runtime.AddCleanup(blk, blockCollected, st)
+		im.block = weak.Make(blk)
+	}
+	l := &blk.leases[blk.used]
+	blk.used++
+	return l
+}
+
+// blockCollected releases, on their users' behalf, the leases of a
+// garbage block that were handed out and never released.
+func blockCollected(st *blockState) {
+	im := st.im
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	for i := range st.out {
+		h := &st.out[i]
+		if !h.live {
+			continue
+		}
+		h.live = false
+		im.leaked.Add(1)
+		im.log.Error("share: a lease was garbage-collected without Release; releasing it now (fix the caller: its pointer was invalid from then on)",
+			"seq", h.seq, "alloc", h.a.id)
+		im.releaseLocked(h.a, h.seq)
+	}
+}
+
+// Ptr is the device pointer of the buffer in this process: the mapping's
+// base plus the buffer's offset in its allocation.
+func (l *Lease) Ptr() driver.DevicePtr { return l.ptr }
+
+// Size is the buffer's length in bytes.
+func (l *Lease) Size() uint64 { return l.size }
+
+// Device is the UUID of the device that holds the memory (the producer's).
+func (l *Lease) Device() driver.UUID { return l.a.ent.key.src }
+
+// Meta is the offer's metadata, one msgpack value or nil. It belongs to
+// the lease and stays valid after Release.
+func (l *Lease) Meta() []byte { return l.meta }
+
+// Seq is the producer's name for this lease on this connection.
+func (l *Lease) Seq() uint64 { return l.seq }
+
+// Generation is the producer's count of offers of this buffer.
+func (l *Lease) Generation() uint64 { return l.gen }
+
+// Release gives the buffer back to the producer. If the producer has
+// retired the allocation and this was the last lease in it, the mapping is
+// closed first and the producer told. Release is idempotent and safe for
+// concurrent use; the pointer must not be used after it.
+func (l *Lease) Release() error {
+	if l == nil || l.st == nil || !l.done.CompareAndSwap(false, true) {
+		return nil
+	}
+	im := l.st.im
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	h := &l.st.out[l.idx]
+	if !h.live {
+		return nil // never handed out, or released on the user's behalf
+	}
+	h.live = false
+	im.releaseLocked(l.a, l.seq)
+	return nil
+}

@@ -1,0 +1,128 @@
+//go:build linux
+
+package share
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"strconv"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// procWatch tells when a peer process has exited. A consumer that
+// vanishes without a goodbye may still be alive with its mappings open (a
+// protocol error or a bug closed its socket, not its exit), so the
+// exporter frees what it mapped only once the process is gone: its exit
+// unmapped everything.
+//
+// It uses a pidfd, opened while the peer is connected so its pid cannot
+// have been reused, which becomes readable when every thread of the
+// process has exited; where pidfds are not available, it polls
+// /proc/<pid>/stat, comparing the start time.
+type procWatch struct {
+	pid   int
+	self  bool     // the peer is this process (a test with the simulator)
+	f     *os.File // the pidfd; nil when polling
+	start uint64   // for polling: the start time seen at connect; 0 unknown
+}
+
+const procPollInterval = 20 * time.Millisecond
+
+var longAgo = time.Unix(1, 0)
+
+func watchProcess(pid int) *procWatch {
+	w := &procWatch{pid: pid, self: pid == os.Getpid()}
+	if w.self || pid <= 0 {
+		return w
+	}
+	w.start, _ = procStart(pid)
+	if fd, err := unix.PidfdOpen(pid, unix.PIDFD_NONBLOCK); err == nil {
+		w.f = os.NewFile(uintptr(fd), "pidfd:"+strconv.Itoa(pid))
+	}
+	return w
+}
+
+// wait returns nil once the process has exited, or ctx's error. A watch
+// of this process never ends but by ctx.
+func (w *procWatch) wait(ctx context.Context) error {
+	switch {
+	case w.pid <= 0:
+		return nil
+	case w.self:
+		<-ctx.Done()
+		return ctx.Err()
+	case w.f != nil:
+		err := w.waitPidfd(ctx)
+		if err == nil || ctx.Err() != nil {
+			return err
+		}
+		// The pidfd cannot be polled here: fall back to /proc.
+	}
+	t := time.NewTicker(procPollInterval)
+	defer t.Stop()
+	for {
+		if start, ok := procStart(w.pid); !ok || (w.start != 0 && start != w.start) {
+			return nil
+		}
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}
+
+func (w *procWatch) waitPidfd(ctx context.Context) error {
+	rc, err := w.f.SyscallConn()
+	if err != nil {
+		return err
+	}
+	stop := context.AfterFunc(ctx, func() { w.f.SetReadDeadline(longAgo) })
+	defer stop()
+	exited := false
+	err = rc.Read(func(fd uintptr) bool {
+		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}
+		n, perr := unix.Poll(fds, 0)
+		exited = perr == nil && n > 0
+		return exited || (perr != nil && perr != unix.EINTR)
+	})
+	if exited {
+		return nil
+	}
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	if err == nil {
+		err = errors.New("share: pidfd poll failed")
+	}
+	return err
+}
+
+func (w *procWatch) close() {
+	if w.f != nil {
+		w.f.Close()
+	}
+}
+
+// procStart returns the start time of a running process; a zombie counts
+// as gone, since its exit has unmapped everything it mapped.
+func procStart(pid int) (uint64, bool) {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	if err != nil {
+		return 0, false
+	}
+	i := bytes.LastIndexByte(b, ')')
+	if i < 0 {
+		return 0, false
+	}
+	f := bytes.Fields(b[i+1:])
+	if len(f) < 20 || string(f[0]) == "Z" || string(f[0]) == "X" {
+		return 0, false
+	}
+	start, err := strconv.ParseUint(string(f[19]), 10, 64)
+	return start, err == nil
+}
