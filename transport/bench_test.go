@@ -4,6 +4,8 @@ package transport
 
 import (
 	"context"
+	"io"
+	"net"
 	"slices"
 	"testing"
 	"time"
@@ -111,6 +113,109 @@ func BenchmarkPipelined(b *testing.B) {
 			b.Fatal(err)
 		}
 		n += len(m.Seqs)
+	}
+	elapsed := time.Since(start)
+	b.StopTimer()
+	if err := <-done; err != nil {
+		b.Fatal(err)
+	}
+	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "pairs/s")
+}
+
+// The bare benchmarks measure the same exchanges over a plain Unix socket
+// with no protocol, one write per message: a floor for the ones above on
+// the same machine.
+const (
+	bareOffer   = 205 // bytes of the test offer's frame
+	bareRelease = 12  // bytes of a one-seq release frame, seq < 2^32
+)
+
+// bareEcho answers every bareOffer bytes read with bareRelease bytes, one
+// write each, until end of stream.
+func bareEcho(path string) error {
+	c, err := net.Dial("unix", path)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	buf := make([]byte, 64<<10)
+	reply := make([]byte, bareRelease)
+	pending := 0
+	for {
+		n, err := c.Read(buf)
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		for pending += n; pending >= bareOffer; pending -= bareOffer {
+			if _, err := c.Write(reply); err != nil {
+				return err
+			}
+		}
+	}
+}
+
+func barePeer(b *testing.B) net.Conn {
+	b.Helper()
+	path := socketDir(b) + "/bare"
+	ln, err := listenRaw(path)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer ln.Close()
+	h := startHelper(b, "bare", path, nil, nil, "")
+	c, err := ln.Accept()
+	if err != nil {
+		b.Fatalf("%v\nhelper: %s", err, h.out)
+	}
+	b.Cleanup(func() {
+		c.Close()
+		h.wait()
+	})
+	return c
+}
+
+func BenchmarkBareRoundTrip(b *testing.B) {
+	c := barePeer(b)
+	offer := make([]byte, bareOffer)
+	release := make([]byte, bareRelease)
+	lat := make([]time.Duration, 0, b.N)
+	b.ResetTimer()
+	for range b.N {
+		start := time.Now()
+		if _, err := c.Write(offer); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, release); err != nil {
+			b.Fatal(err)
+		}
+		lat = append(lat, time.Since(start))
+	}
+	b.StopTimer()
+	slices.Sort(lat)
+	b.ReportMetric(float64(lat[len(lat)/2].Nanoseconds())/1e3, "p50-µs")
+	b.ReportMetric(float64(lat[len(lat)*99/100].Nanoseconds())/1e3, "p99-µs")
+}
+
+func BenchmarkBarePipelined(b *testing.B) {
+	c := barePeer(b)
+	done := make(chan error, 1)
+	b.ResetTimer()
+	start := time.Now()
+	go func() {
+		offer := make([]byte, bareOffer)
+		for range b.N {
+			if _, err := c.Write(offer); err != nil {
+				done <- err
+				return
+			}
+		}
+		done <- nil
+	}()
+	if _, err := io.CopyN(io.Discard, c, int64(b.N)*bareRelease); err != nil {
+		b.Fatal(err)
 	}
 	elapsed := time.Since(start)
 	b.StopTimer()

@@ -14,6 +14,7 @@ import (
 	"sync"
 	"syscall"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -23,12 +24,16 @@ import (
 // One goroutine may call Recv while any number call the Send methods,
 // Flush, Shutdown and Close.
 //
-// Sends are queued and written by a writer goroutine owned by the Conn, so
-// that messages sent while a write is in progress leave together in the
-// next write; a send to an idle connection is written at once. A send
-// returns once the message is queued: an error writing it later fails the
-// connection, and the next call reports it. Flush waits until everything
-// queued has been written.
+// A send encodes its message into an output queue. On a connection that
+// is idle, the sender writes it at once with one non-blocking write, so a
+// lone message costs one system call and no hand-off. Messages sent while
+// a write is in progress, or in a quick stream, are left to the Conn's
+// writer goroutine, which writes everything queued in one write; so does
+// what a full socket would not take. A send never blocks on the socket:
+// it waits, within its ctx, only for room in the queue (Config.MaxQueued)
+// and, for an offer, for a credit. It returns once the message is queued;
+// an error writing it later fails the connection, and the next call
+// reports it. Flush waits until everything queued has been written.
 //
 // A Conn enforces the protocol on what it receives (order, direction,
 // flow control) and on what it is asked to send. Any violation by the peer
@@ -69,7 +74,14 @@ type Conn struct {
 	// side has granted and released them.
 	window, outstanding uint64
 
-	wlock      sync.Mutex    // held while writing to the socket
+	// writing is set while one goroutine owns the socket's write side:
+	// a sender writing directly, the writer goroutine, or fail.
+	writing bool
+	// lastWrite is when the last write ended: a send soon after it is
+	// part of a stream, and waits for the writer to batch it.
+	lastWrite time.Time
+	wr        writeOp
+
 	kick       chan struct{} // wakes the writer
 	dying      chan struct{} // closed with the first failure
 	writerDone chan struct{}
@@ -92,6 +104,15 @@ type readOp struct {
 	errno   unix.Errno
 }
 
+// writeOp is one non-blocking write(2) made through the RawConn, built
+// once per Conn like readOp.
+type writeOp struct {
+	fn    func(fd uintptr) bool
+	p     []byte
+	n     int
+	errno unix.Errno
+}
+
 // ctxWatch turns the cancellation of Recv's context into a read deadline
 // in the past, which interrupts a blocked read. It stays registered while
 // Recv is called with the same context, so a receive loop with one
@@ -109,6 +130,12 @@ const (
 	// that is being dropped.
 	errorWriteTimeout = 100 * time.Millisecond
 	minReadBuffer     = 64 << 10
+	// streamGap is the idle time after a write that tells a lone send,
+	// written at once by its sender, from one of a stream, left to the
+	// writer goroutine so that it leaves with the next ones in one write.
+	// It is well below a round trip between two processes (10 µs and
+	// more) and well above the gap between sends in a loop (under 1 µs).
+	streamGap = 3 * time.Microsecond
 )
 
 var longAgo = time.Unix(1, 0)
@@ -130,6 +157,15 @@ func newConn(nc *net.UnixConn, cfg Config, cred *unix.Ucred) (*Conn, error) {
 	}
 	c.desc = c.peer.String()
 	c.rd.oob = make([]byte, unix.CmsgSpace(MaxFDs*4))
+	c.wr.fn = func(fd uintptr) bool {
+		op := &c.wr
+		n, _, e := unix.Syscall(unix.SYS_WRITE, fd, uintptr(unsafe.Pointer(unsafe.SliceData(op.p))), uintptr(len(op.p)))
+		op.n, op.errno = int(n), e
+		if e != 0 {
+			op.n = 0
+		}
+		return true // never wait: what does not fit is the writer's
+	}
 	c.rd.fn = func(fd uintptr) bool {
 		op := &c.rd
 		op.n, op.oobn, op.flags, op.errno = recvmsg(int(fd), op.p, op.oob)
@@ -645,15 +681,69 @@ func (c *Conn) lockRoom(ctx context.Context, offer bool) error {
 	}
 }
 
-// unlockAndKick accounts for the frames queued from off, unlocks mu and
-// wakes the writer.
+// unlockAndKick accounts for the frames queued from off and unlocks mu,
+// then sees them written. If the socket is idle and has been for a while,
+// it writes them at once on this goroutine, without waiting: a lone send
+// costs one write and no hand-off. Otherwise, or for what the socket would
+// not take, it wakes the writer goroutine, which writes everything queued
+// by then in one go.
 func (c *Conn) unlockAndKick(off int) {
 	c.queued += uint64(len(c.out) - off)
-	c.mu.Unlock()
+	if c.writing || len(c.outFDs) > 0 || time.Since(c.lastWrite) < streamGap {
+		c.mu.Unlock()
+		c.kickWriter()
+		return
+	}
+	if c.writeNow() {
+		c.kickWriter()
+	}
+}
+
+func (c *Conn) kickWriter() {
 	select {
 	case c.kick <- struct{}{}:
 	default:
 	}
+}
+
+// writeNow writes what is queued (no descriptors) with one non-blocking
+// write. It is called with mu held and the socket free, and unlocks mu.
+// It reports whether anything is left for the writer.
+func (c *Conn) writeNow() bool {
+	c.writing = true
+	buf := c.out
+	c.out = c.spare[:0]
+	c.mu.Unlock()
+	op := &c.wr
+	op.p, op.n, op.errno = buf, 0, 0
+	err := c.rc.Write(op.fn)
+	op.p = nil
+	n := op.n
+	if err == nil && op.errno != 0 && op.errno != unix.EAGAIN {
+		err = op.errno
+	}
+	c.mu.Lock()
+	c.writing = false
+	c.lastWrite = time.Now()
+	c.written += uint64(n)
+	if n < len(buf) && err == nil {
+		// The socket is full: the rest goes first, before anything
+		// queued meanwhile.
+		for i := range c.outFDs {
+			c.outFDs[i].off += len(buf) - n
+		}
+		rest := append(buf[:0], buf[n:]...)
+		buf, c.out = c.out, append(rest, c.out...)
+	}
+	c.spare = buf[:0]
+	c.wakeLocked()
+	more := len(c.out) > 0 && c.err == nil
+	c.mu.Unlock()
+	if err != nil {
+		c.writeFailed(writeErr(err))
+		return false
+	}
+	return more
 }
 
 func (c *Conn) progressLocked() chan struct{} {
@@ -680,23 +770,25 @@ func (c *Conn) writeLoop() {
 			return
 		}
 		for {
-			c.wlock.Lock()
 			c.mu.Lock()
-			if c.err != nil || len(c.out) == 0 {
+			if c.err != nil || c.writing || len(c.out) == 0 {
+				// Failed, or a sender is writing and will kick again if
+				// it leaves anything, or nothing to do.
 				c.mu.Unlock()
-				c.wlock.Unlock()
 				break
 			}
+			c.writing = true
 			buf, fds := c.out, c.outFDs
 			c.out, c.outFDs = c.spare[:0], c.spareFDs[:0]
 			c.mu.Unlock()
 			err := c.writeBatch(buf, fds)
-			c.wlock.Unlock()
 			for i := range fds {
 				closeFDs(fds[i].fds)
 				fds[i] = pendingFDs{}
 			}
 			c.mu.Lock()
+			c.writing = false
+			c.lastWrite = time.Now()
 			c.spare, c.spareFDs = buf[:0], fds[:0]
 			if err == nil {
 				c.written += uint64(len(buf))
@@ -704,19 +796,23 @@ func (c *Conn) writeLoop() {
 			c.wakeLocked()
 			c.mu.Unlock()
 			if err != nil {
-				err = fmt.Errorf("transport: send to %s: %w", c.desc, err)
-				if errors.Is(err, ErrDisconnected) {
-					// The peer is gone, but what it sent before it went,
-					// a goodbye say, is still to be read: leave the
-					// socket to Recv and Close.
-					c.setFailure(err)
-				} else {
-					c.fail(err, false)
-				}
+				c.writeFailed(err)
 				return
 			}
 		}
 	}
+}
+
+// writeFailed fails the connection for an error writing to the socket.
+func (c *Conn) writeFailed(err error) {
+	err = fmt.Errorf("transport: send to %s: %w", c.desc, err)
+	if errors.Is(err, ErrDisconnected) {
+		// The peer is gone, but what it sent before it went, a goodbye
+		// say, is still to be read: leave the socket to Recv and Close.
+		c.setFailure(err)
+		return
+	}
+	c.fail(err, false)
 }
 
 // writeBatch writes buf, sending each set of descriptors with the first
@@ -773,9 +869,14 @@ func writeErr(err error) error {
 // socket. It returns the first failure.
 func (c *Conn) fail(err error, notify bool) error {
 	first, err := c.setFailure(err)
-	if first && notify && c.wlock.TryLock() {
-		c.writeError(codeOf(err), err.Error())
-		c.wlock.Unlock()
+	if first && notify {
+		c.mu.Lock()
+		own := !c.writing
+		c.writing = true // for good: nothing else is written
+		c.mu.Unlock()
+		if own {
+			c.writeError(codeOf(err), err.Error())
+		}
 	}
 	c.nc.Close()
 	return err
@@ -797,7 +898,7 @@ func (c *Conn) setFailure(err error) (first bool, cause error) {
 }
 
 // writeError writes an error message straight to the socket, briefly.
-// The caller holds wlock or owns the socket alone.
+// The caller owns the socket's write side.
 func (c *Conn) writeError(code uint32, text string) {
 	c.nc.SetWriteDeadline(time.Now().Add(errorWriteTimeout))
 	c.nc.Write(appendError(nil, code, text))

@@ -851,3 +851,44 @@ func TestShutdownWhilePeerWrites(t *testing.T) {
 		t.Fatalf("recv after the goodbye: %v, want io.EOF", err)
 	}
 }
+
+// TestSocketFullKeepsOrder fills the socket while the consumer is not
+// reading, so that writes come up short and the rest is queued behind
+// them, and proves every offer still arrives whole and in order.
+func TestSocketFullKeepsOrder(t *testing.T) {
+	ccfg := testConfig(RoleConsumer, nil)
+	ccfg.Credits = 4096
+	prod, cons := pair(t, testConfig(RoleProducer, nil), ccfg)
+	ctx := testCtx(t)
+	const n = 3000 // about 3 MB, well past the socket's buffer
+	sent := make(chan error, 1)
+	go func() {
+		o := testOffer()
+		for i := range uint64(n) {
+			o.Seq = i
+			o.Meta = mustMarshal(strings.Repeat(string(rune('a'+i%26)), 900))
+			if err := prod.SendOffer(ctx, &o); err != nil {
+				sent <- err
+				return
+			}
+			if i%500 == 0 {
+				time.Sleep(time.Millisecond) // let the writer goroutine run dry now and then
+			}
+		}
+		sent <- prod.Flush(ctx)
+	}()
+	time.Sleep(100 * time.Millisecond)
+	var m Message
+	for i := range uint64(n) {
+		if err := cons.Recv(ctx, &m); err != nil {
+			t.Fatal(err)
+		}
+		want := mustMarshal(strings.Repeat(string(rune('a'+i%26)), 900))
+		if m.Kind != KindOffer || m.Offer.Seq != i || string(m.Offer.Meta) != string(want) {
+			t.Fatalf("message %d: %v seq %d, meta %d bytes", i, m.Kind, m.Offer.Seq, len(m.Offer.Meta))
+		}
+	}
+	if err := <-sent; err != nil {
+		t.Fatal(err)
+	}
+}

@@ -25,8 +25,9 @@
 //
 // # Speed
 //
-// Encoding and decoding an offer or a release allocates nothing. Messages
-// sent while a write is in progress leave together in the next write, and
-// a read decodes every whole frame it brought in before reading again.
-// Received slices are views valid until the next Recv.
+// Encoding and decoding an offer or a release allocates nothing. A message
+// sent on an idle connection is written at once by its sender; messages
+// sent while a write is in progress, or in a quick stream, leave together
+// in the next write. A read decodes every whole frame it brought in before
+// reading again. Received slices are views valid until the next Recv.
 package transport

@@ -67,6 +67,8 @@ func runHelper(mode, path string) error {
 			return fmt.Errorf("dial error does not match ErrPeerRefused")
 		}
 		return nil
+	case "bare":
+		return bareEcho(path)
 	case "consumer", "checking-consumer", "hold":
 	default:
 		return fmt.Errorf("unknown mode %q", mode)
