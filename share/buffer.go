@@ -158,6 +158,9 @@ func (e *Exporter) NewRing(n int, size uint64) (*Ring, error) {
 // offered and every lease of it is released; a buffer the producer decides
 // not to offer goes back with Free.
 func (r *Ring) Acquire(ctx context.Context) (*Buffer, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err // a loop bounded by its context must end even when a buffer is free
+	}
 	select {
 	case b := <-r.free:
 		e := r.e
@@ -211,6 +214,9 @@ func (e *Exporter) NewArena(size uint64) (*Arena, error) {
 // to 256 bytes), waiting within ctx for room while consumers hold too much
 // of it. Give it back with Free, which may come right after its offer.
 func (a *Arena) Alloc(ctx context.Context, size uint64) (*Buffer, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err // a loop bounded by its context must end even when there is room
+	}
 	need := min(alignUp(size), a.rec.size)
 	if size == 0 || size > a.rec.size {
 		return nil, fmt.Errorf("share: Alloc(%d) from an arena of %d bytes: %w", size, a.rec.size, driver.ErrInvalidValue)

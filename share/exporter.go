@@ -331,6 +331,9 @@ type OfferOptions struct {
 // arena buffer's Free tell the producer when that is. The producer must
 // not write b while it is leased.
 func (e *Exporter) Offer(ctx context.Context, b *Buffer, opts OfferOptions) error {
+	if err := ctx.Err(); err != nil {
+		return err // a loop bounded by its context must end even when credit is free
+	}
 	if err := e.own(b); err != nil {
 		return err
 	}
@@ -364,6 +367,9 @@ func (e *Exporter) Offer(ctx context.Context, b *Buffer, opts OfferOptions) erro
 // have a credit. It returns how many it reached; a consumer that goes away
 // meanwhile is skipped. The event, if any, is recorded once.
 func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) (int, error) {
+	if err := ctx.Err(); err != nil {
+		return 0, err
+	}
 	if err := e.own(b); err != nil {
 		return 0, err
 	}

@@ -993,3 +993,25 @@ func TestLostConsumerMappingNothing(t *testing.T) {
 	c.Send("exit")
 	c.Wait()
 }
+
+// TestCancelledContextStops: a producer loop bounded only by its context
+// ends, even when a buffer, room and credit are all available.
+func TestCancelledContextStops(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	var r share.Ring
+	if _, err := r.Acquire(ctx); !errors.Is(err, context.Canceled) {
+		t.Errorf("Ring.Acquire(cancelled) = %v, want context.Canceled", err)
+	}
+	var a share.Arena
+	if _, err := a.Alloc(ctx, 1); !errors.Is(err, context.Canceled) {
+		t.Errorf("Arena.Alloc(cancelled) = %v, want context.Canceled", err)
+	}
+	var e share.Exporter
+	if err := e.Offer(ctx, nil, share.OfferOptions{}); !errors.Is(err, context.Canceled) {
+		t.Errorf("Offer(cancelled) = %v, want context.Canceled", err)
+	}
+	if _, err := e.Broadcast(ctx, nil, share.OfferOptions{}); !errors.Is(err, context.Canceled) {
+		t.Errorf("Broadcast(cancelled) = %v, want context.Canceled", err)
+	}
+}
