@@ -10,23 +10,27 @@ import (
 	"os"
 	"os/signal"
 	"syscall"
+
+	"github.com/seed743c36cf/cudashare/internal/app"
 )
 
 const usage = `usage: cudashare <command> [flags]
 
 commands:
-  demo      run a producer and two consumer processes for a few seconds and report
+  demo      run a producer and two consumer processes for a few seconds, verify
+            every batch and report (on the simulated driver without a GPU)
   devices   list the devices, their peer access, P2P attributes and atomic capabilities
 
 Every command takes -driver auto|cuda|sim (CUDASHARE_DRIVER overrides it).
 `
 
-// Exit codes that scripts can use.
+// Exit codes that scripts can use: the same as the producer's and the
+// consumer's (see app.Exit*).
 const (
-	exitOK       = 0
-	exitFailure  = 1
-	exitUsage    = 2
-	exitNoDriver = 3
+	exitOK       = app.ExitOK
+	exitFailure  = app.ExitFailure
+	exitUsage    = app.ExitUsage
+	exitNoDriver = app.ExitNoDriver
 )
 
 func main() {
@@ -46,6 +50,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return runDemo(ctx, args[1:], stdout, stderr)
 	case "devices":
 		return runDevices(args[1:], stdout, stderr)
+	// Hidden: the demo re-runs this binary as its producer and consumers.
+	// They are examples/producer and examples/consumer (-h explains them).
+	case "producer":
+		return app.RunProducer(ctx, args[1:], stdout, stderr)
+	case "consumer":
+		return app.RunConsumer(ctx, args[1:], stdout, stderr)
 	case "-h", "-help", "--help", "help":
 		fmt.Fprint(stdout, usage)
 		return exitOK

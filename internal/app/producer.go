@@ -1,0 +1,330 @@
+package app
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"time"
+
+	"github.com/seed743c36cf/cudashare/driver"
+	"github.com/seed743c36cf/cudashare/share"
+)
+
+const producerSummary = `Lends GPU buffers to consumer processes over a Unix socket, with no copy.
+
+Each batch: take a buffer (one of a ring of reused buffers, or with -fresh a
+new one from an arena), fill it on the GPU with a byte derived from the batch
+number, record an interprocess event after the fill, and offer it. The buffer
+comes back by itself once the consumer releases it. At the end (-count,
+-duration, SIGINT or SIGTERM) the producer retires every buffer and frees it
+only after every consumer has closed its mapping.
+`
+
+type producerConfig struct {
+	backend         string
+	device          int
+	socket          string
+	ring            int
+	size            uint64
+	fresh           bool
+	count           uint64
+	duration        time.Duration
+	consumers       int
+	wait            time.Duration
+	broadcast       bool
+	event           bool
+	shutdownTimeout time.Duration
+	json            bool
+	verbose         bool
+}
+
+// RunProducer runs the example producer with command-line args (without
+// the program name) and returns its exit code. ctx ending (SIGINT, SIGTERM)
+// stops the batches and shuts down gracefully.
+func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	cfg := producerConfig{size: 1 << 20}
+	fs := newFlagSet("producer", producerSummary, stderr)
+	fs.StringVar(&cfg.backend, "driver", driver.BackendAuto, "driver: auto (a GPU if there is one, else the simulator), cuda or sim; CUDASHARE_DRIVER overrides it")
+	fs.IntVar(&cfg.device, "device", 0, "GPU to allocate on, as this process numbers them (CUDA_VISIBLE_DEVICES applies)")
+	fs.StringVar(&cfg.socket, "socket", DefaultSocket(), "Unix socket to listen on; its directory is created with mode 0700")
+	fs.IntVar(&cfg.ring, "ring", 8, "buffers in the ring; with -fresh, how many buffers fit in the arena at once")
+	fs.Var(sizeFlag{&cfg.size}, "size", "bytes per buffer: 1MiB, 64MiB, 1GiB, ...")
+	fs.BoolVar(&cfg.fresh, "fresh", false, "a fresh buffer per batch, sub-allocated from one arena of -ring buffers (no driver call per buffer; the consumer maps the arena once)")
+	fs.Uint64Var(&cfg.count, "count", 0, "stop after this many batches (0: no limit)")
+	fs.DurationVar(&cfg.duration, "duration", 0, "stop after this long, counted from when -consumers are connected (0: no limit)")
+	fs.IntVar(&cfg.consumers, "consumers", 1, "wait for this many consumers before the first batch")
+	fs.DurationVar(&cfg.wait, "wait", 0, "fail if -consumers have not connected within this long (0: wait until interrupted)")
+	fs.BoolVar(&cfg.broadcast, "broadcast", false, "lend every batch to every connected consumer, instead of each batch to one")
+	fs.BoolVar(&cfg.event, "event", true, "record an interprocess event after the fill, which the consumer's stream waits on; -event=false synchronizes on the host before each offer instead")
+	fs.DurationVar(&cfg.shutdownTimeout, "shutdown-timeout", 30*time.Second, "at the end, how long to wait for consumers to release and unmap the buffers")
+	fs.BoolVar(&cfg.json, "json", false, "print one JSON line of results instead of the summary")
+	fs.BoolVar(&cfg.verbose, "v", false, "log consumers arriving and leaving")
+	if code, done := parseFlags(fs, args, stdout); done {
+		return code
+	}
+	switch {
+	case cfg.ring < 1:
+		fmt.Fprintln(stderr, "producer: -ring must be at least 1")
+		return ExitUsage
+	case cfg.size == 0:
+		fmt.Fprintln(stderr, "producer: -size must be at least 1 byte")
+		return ExitUsage
+	case cfg.consumers < 0:
+		fmt.Fprintln(stderr, "producer: -consumers must not be negative")
+		return ExitUsage
+	}
+
+	p := &producer{cfg: cfg, log: newLogger(stderr, "producer", cfg.verbose)}
+	p.rep = ProducerReport{
+		Role: "producer", Device: cfg.device, Socket: cfg.socket, Mode: "ring", Broadcast: cfg.broadcast,
+		Event: cfg.event, Size: cfg.size, Ring: cfg.ring, MemUsedBefore: -1, MemUsedAfter: -1,
+	}
+	if cfg.fresh {
+		p.rep.Mode = "fresh"
+	}
+	err := p.run(ctx)
+	if err != nil {
+		p.rep.Error = err.Error()
+		p.rep.Exit = exitCode(err)
+		if p.rep.End == "" {
+			p.rep.End = "error"
+		}
+	}
+	if cfg.json {
+		writeJSON(stdout, &p.rep)
+	} else {
+		p.summary(stdout)
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "producer: %v\n", err)
+	}
+	return p.rep.Exit
+}
+
+type producer struct {
+	cfg producerConfig
+	log *slog.Logger
+	rep ProducerReport
+}
+
+func (p *producer) run(ctx context.Context) error {
+	dev, err := openDevice(p.cfg.backend, p.cfg.device)
+	if err != nil {
+		return fail(ExitNoDriver, nil, "%v", err)
+	}
+	defer dev.close()
+	p.rep.Driver, p.rep.DriverReason = dev.d.Backend(), dev.d.Reason()
+	p.rep.DeviceUUID, p.rep.DeviceName = dev.dev.UUID().String(), dev.name
+	p.rep.MemUsedBefore = memUsed(dev.ctx)
+
+	// The fills go on a stream of their own; the offer records the
+	// buffer's event on it, so the producer never waits for the GPU.
+	stream, err := dev.ctx.NewStream(true)
+	if err != nil {
+		return fmt.Errorf("create a stream: %w", err)
+	}
+	defer stream.Close()
+
+	exp, err := share.NewExporter(ctx, dev.ctx, p.cfg.socket, share.ExporterConfig{Logger: p.log})
+	if err != nil {
+		return explainListen(p.cfg.socket, err)
+	}
+	p.log.Info("listening", "socket", exp.Addr(), "driver", dev.d.Backend(), "device", p.cfg.device, "uuid", dev.dev.UUID())
+
+	// From here every path ends in Shutdown: nothing is freed while a
+	// consumer may still map it, and everything is freed once none does.
+	runErr := p.serve(ctx, exp, dev.ctx, stream)
+	if err := stream.Synchronize(); err != nil && runErr == nil {
+		runErr = fmt.Errorf("synchronize the fill stream: %w", err)
+	}
+	sctx, cancel := context.WithTimeout(context.Background(), p.cfg.shutdownTimeout)
+	t0 := time.Now()
+	shutErr := exp.Shutdown(sctx)
+	cancel()
+	p.rep.ShutdownSeconds = seconds(time.Since(t0))
+
+	st := exp.Stats()
+	p.rep.Offers, p.rep.Releases, p.rep.BytesOffered = st.Offers, st.Releases, st.BytesOffered
+	p.rep.ConsumersLost, p.rep.Retired = st.ConsumersLost, st.Retired
+	p.rep.AllocationsLeft, p.rep.LeasesLeft = st.Allocations, st.Leases
+	p.rep.MemUsedAfter = memUsed(dev.ctx)
+
+	switch {
+	case runErr != nil:
+		return runErr
+	case shutErr != nil:
+		return fail(ExitFailure, shutErr, "shutdown: consumers did not release and unmap the buffers within -shutdown-timeout %v; %d allocation(s) stay allocated until they exit",
+			p.cfg.shutdownTimeout, st.Allocations)
+	case st.Allocations > 0:
+		return fail(ExitFailure, nil, "shutdown left %d allocation(s) unfreed", st.Allocations)
+	}
+	return nil
+}
+
+// serve waits for the consumers and runs the batches until -count,
+// -duration or ctx ends them.
+func (p *producer) serve(ctx context.Context, exp *share.Exporter, dctx *driver.Context, stream *driver.Stream) error {
+	// Allocate first, so that a GPU without room fails before anyone waits.
+	var take func(context.Context) (*share.Buffer, error)
+	if p.cfg.fresh {
+		stride := (p.cfg.size + 255) &^ 255 // the arena aligns buffers to 256 bytes, as cuMemAlloc does
+		arena, err := exp.NewArena(stride * uint64(p.cfg.ring))
+		if err != nil {
+			return p.allocFailed(err)
+		}
+		take = func(ctx context.Context) (*share.Buffer, error) { return arena.Alloc(ctx, p.cfg.size) }
+	} else {
+		ring, err := exp.NewRing(p.cfg.ring, p.cfg.size)
+		if err != nil {
+			return p.allocFailed(err)
+		}
+		take = ring.Acquire
+	}
+
+	if n := p.cfg.consumers; n > 0 {
+		wctx, cancel := ctx, context.CancelFunc(func() {})
+		if p.cfg.wait > 0 {
+			wctx, cancel = context.WithTimeout(ctx, p.cfg.wait)
+		}
+		err := exp.WaitConsumers(wctx, n)
+		cancel()
+		if err != nil {
+			if ctx.Err() != nil {
+				p.rep.End = "signal"
+				return nil
+			}
+			return fail(ExitFailure, err, "only %d of %d consumer(s) connected to %s within -wait %v", exp.Consumers(), n, p.cfg.socket, p.cfg.wait)
+		}
+	}
+
+	runCtx, cancel := ctx, context.CancelFunc(func() {})
+	if p.cfg.duration > 0 {
+		runCtx, cancel = context.WithTimeout(ctx, p.cfg.duration)
+	}
+	defer cancel()
+
+	meta := make([]byte, 0, metaSize)
+	start := time.Now()
+	end := start
+	p.rep.End = "count"
+	for seq := uint64(0); p.cfg.count == 0 || seq < p.cfg.count; seq++ {
+		// Take and Offer return at once when a buffer and a credit are
+		// free, whatever the context: look at it before each batch.
+		if runCtx.Err() != nil {
+			break
+		}
+		b, err := take(runCtx)
+		if err != nil {
+			if runCtx.Err() != nil {
+				break
+			}
+			return fmt.Errorf("take a buffer for batch %d: %w", seq, err)
+		}
+		if err := p.fill(dctx, stream, b, seq); err != nil {
+			b.Free()
+			return err
+		}
+		opts := share.OfferOptions{Meta: appendMeta(meta[:0], seq, monoNow())}
+		if p.cfg.event {
+			opts.Stream = stream
+		}
+		err = p.offer(runCtx, exp, b, opts)
+		// An arena buffer goes back to the arena once its consumers release
+		// it, so it can be freed right after its offer. A ring buffer comes
+		// back by itself; only one that was not offered is handed back.
+		if p.cfg.fresh || err != nil {
+			b.Free()
+		}
+		if err != nil {
+			if runCtx.Err() != nil {
+				break
+			}
+			return fmt.Errorf("offer batch %d: %w", seq, err)
+		}
+		p.rep.Batches++
+		end = time.Now()
+	}
+	switch {
+	case ctx.Err() != nil:
+		p.rep.End = "signal"
+	case runCtx.Err() != nil:
+		p.rep.End = "duration"
+	}
+	if d := end.Sub(start); d > 0 {
+		p.rep.Seconds = seconds(d)
+		p.rep.BatchesPerS = round1(float64(p.rep.Batches) / d.Seconds())
+	}
+	return nil
+}
+
+func (p *producer) allocFailed(err error) error {
+	what := fmt.Sprintf("a ring of %d x %s", p.cfg.ring, FormatSize(p.cfg.size))
+	if p.cfg.fresh {
+		what = fmt.Sprintf("an arena for %d x %s", p.cfg.ring, FormatSize(p.cfg.size))
+	}
+	if errors.Is(err, driver.ErrOutOfMemory) {
+		return fail(ExitFailure, err, "not enough free memory on GPU %d for %s: use a smaller -ring or -size", p.cfg.device, what)
+	}
+	return fail(ExitFailure, err, "cannot allocate %s on GPU %d", what, p.cfg.device)
+}
+
+// fill writes batch seq's pattern into b on the stream. Without -event the
+// consumer gets no event to wait on, so the producer waits for the fill on
+// the host before offering (what torch.multiprocessing users do with
+// torch.cuda.synchronize()).
+func (p *producer) fill(dctx *driver.Context, stream *driver.Stream, b *share.Buffer, seq uint64) error {
+	if err := dctx.MemsetAsync(b.Ptr(), patternByte(seq), b.Size(), stream); err != nil {
+		return fmt.Errorf("fill batch %d: %w", seq, err)
+	}
+	if !p.cfg.event {
+		if err := stream.Synchronize(); err != nil {
+			return fmt.Errorf("fill batch %d: %w", seq, err)
+		}
+	}
+	return nil
+}
+
+// offer lends b to one consumer (or to all with -broadcast). A consumer can
+// vanish between being picked and being sent the offer: the offer is then
+// not made, and b goes to another consumer.
+func (p *producer) offer(ctx context.Context, exp *share.Exporter, b *share.Buffer, opts share.OfferOptions) error {
+	for {
+		var err error
+		if p.cfg.broadcast {
+			var n int
+			if n, err = exp.Broadcast(ctx, b, opts); err == nil && n > 0 {
+				return nil
+			}
+		} else if err = exp.Offer(ctx, b, opts); err == nil {
+			return nil
+		}
+		if err != nil && !consumerGone(err) {
+			return err
+		}
+		p.log.Debug("the consumer went away before the offer; offering again", "err", err)
+	}
+}
+
+func (p *producer) summary(w io.Writer) {
+	r := &p.rep
+	if r.Driver == "" {
+		return
+	}
+	what := fmt.Sprintf("ring of %d", r.Ring)
+	if r.Mode == "fresh" {
+		what = "fresh from an arena"
+	}
+	if r.Broadcast {
+		what += ", broadcast"
+	}
+	fmt.Fprintf(w, "producer: %s driver, GPU %d (%s)\n", r.Driver, r.Device, r.DeviceUUID)
+	fmt.Fprintf(w, "producer: %d batches of %s (%s) in %.2fs: %.0f batches/s, %s lent in %d offers, %d consumer(s) lost; ended by %s\n",
+		r.Batches, FormatSize(r.Size), what, r.Seconds, r.BatchesPerS, humanBytes(r.BytesOffered), r.Offers, r.ConsumersLost, r.End)
+	left := "none left"
+	if r.AllocationsLeft > 0 {
+		left = fmt.Sprintf("%d LEFT ALLOCATED", r.AllocationsLeft)
+	}
+	fmt.Fprintf(w, "producer: shut down in %.2fs: %d allocation(s) retired and freed, %s\n", r.ShutdownSeconds, r.Retired, left)
+}

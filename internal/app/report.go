@@ -1,0 +1,100 @@
+package app
+
+import (
+	"encoding/json"
+	"io"
+)
+
+// ProducerReport is what the producer prints with -json: one line, read
+// by the demo, the integration tests and the benchmark harness.
+type ProducerReport struct {
+	Role         string  `json:"role"` // "producer"
+	Driver       string  `json:"driver"`
+	DriverReason string  `json:"driver_reason"`
+	Device       int     `json:"device"`
+	DeviceUUID   string  `json:"device_uuid"`
+	DeviceName   string  `json:"device_name"`
+	Socket       string  `json:"socket"`
+	Mode         string  `json:"mode"` // "ring" or "fresh"
+	Broadcast    bool    `json:"broadcast"`
+	Event        bool    `json:"event"`
+	Size         uint64  `json:"size"`
+	Ring         int     `json:"ring"`
+	Batches      uint64  `json:"batches"` // buffers filled and offered
+	Seconds      float64 `json:"seconds"` // from the first batch to the last offer
+	BatchesPerS  float64 `json:"batches_per_s"`
+	End          string  `json:"end"` // count, duration, signal, or error
+
+	// From share.ExporterStats after Shutdown.
+	Offers          uint64 `json:"offers"`
+	Releases        uint64 `json:"releases"`
+	BytesOffered    uint64 `json:"bytes_offered"`
+	ConsumersLost   uint64 `json:"consumers_lost"`
+	Retired         uint64 `json:"retired"`
+	AllocationsLeft int    `json:"allocations_left"` // 0: everything it allocated was freed
+	LeasesLeft      int    `json:"leases_left"`
+
+	// Device memory in use (driver's count) before the exporter existed and
+	// after Shutdown. On the simulator only this process and its peers use
+	// the device, so the two are equal when nothing leaked; on a real GPU
+	// other processes count too: informational there.
+	MemUsedBefore int64 `json:"mem_used_before"`
+	MemUsedAfter  int64 `json:"mem_used_after"`
+
+	ShutdownSeconds float64 `json:"shutdown_seconds"`
+	Error           string  `json:"error,omitempty"`
+	Exit            int     `json:"exit"`
+}
+
+// ReadTest is the result of the consumer's -read-test.
+type ReadTest struct {
+	Size         uint64  `json:"size"`
+	Reps         int     `json:"reps"`           // samples of each, alternating
+	CopiesPerRep int     `json:"copies_per_rep"` // whole-buffer copies queued per sample, then one synchronize
+	LocalMS      float64 `json:"local_ms"`       // median copy from a local buffer
+	SharedMS     float64 `json:"shared_ms"`      // median copy from the producer's buffer
+	Ratio        float64 `json:"ratio"`          // shared / local: 1.00 is no cost for sharing
+	LocalGBs     float64 `json:"local_gb_s"`
+	SharedGBs    float64 `json:"shared_gb_s"`
+}
+
+// ConsumerReport is what the consumer prints with -json.
+type ConsumerReport struct {
+	Role           string    `json:"role"` // "consumer"
+	Impl           string    `json:"impl"` // "cudashare", so bench lines line up with torch's
+	Driver         string    `json:"driver"`
+	DriverReason   string    `json:"driver_reason"`
+	Device         int       `json:"device"`
+	DeviceUUID     string    `json:"device_uuid"`
+	ProducerDevice string    `json:"producer_device"` // UUID of the memory's device
+	SameDevice     bool      `json:"same_device"`
+	Socket         string    `json:"socket"`
+	Workers        int       `json:"workers"`
+	Credits        int       `json:"credits"`
+	Verify         string    `json:"verify"`
+	Handoffs       uint64    `json:"handoffs"`
+	Seconds        float64   `json:"seconds"` // first receipt to last release
+	HandoffsPerS   float64   `json:"handoffs_per_s"`
+	P50us          float64   `json:"p50_us"` // offer to receipt
+	P99us          float64   `json:"p99_us"`
+	MaxUS          float64   `json:"max_us"`
+	Bytes          uint64    `json:"bytes"` // bytes lent to this consumer (none copied)
+	Size           uint64    `json:"size"`  // size of the last buffer
+	Verified       uint64    `json:"verified"`
+	VerifyErrors   uint64    `json:"verify_errors"`
+	Errors         uint64    `json:"errors"`
+	BuffersSeen    int       `json:"buffers_seen"` // distinct buffers (pointers) lent: reuse shows as few
+	Mappings       uint64    `json:"mappings"`     // IPC opens: one per allocation, not per batch
+	End            string    `json:"end"`
+	ReadTest       *ReadTest `json:"read_test,omitempty"`
+	Error          string    `json:"error,omitempty"`
+	Exit           int       `json:"exit"`
+}
+
+func writeJSON(w io.Writer, v any) {
+	b, err := json.Marshal(v)
+	if err != nil {
+		panic(err) // plain structs: cannot fail
+	}
+	w.Write(append(b, '\n'))
+}
