@@ -318,8 +318,13 @@ type OfferOptions struct {
 	// buffer's interprocess event is recorded on it, and the consumer's
 	// stream waits for that event instead of the host synchronizing.
 	// Offers of one buffer that are in flight together must use the same
-	// stream. Nil: the buffer is ready when Offer is called and no event
-	// travels (and no event call is made).
+	// stream. The writes must be ordered before the record: made on this
+	// stream, or on the legacy NULL stream when this stream is a blocking
+	// one (a non-blocking stream does not wait for NULL-stream work, and a
+	// synchronous cuMemcpyHtoD from pageable memory may return before its
+	// DMA lands). Nil: the buffer must be complete on the device when Offer
+	// is called (synchronize first), and no event travels (and no event
+	// call is made).
 	Stream *driver.Stream
 }
 

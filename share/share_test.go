@@ -471,7 +471,8 @@ func TestDevices(t *testing.T) {
 			if err := e.WaitConsumers(ctx, 1); err != nil {
 				t.Fatal(err)
 			}
-			s, err := env.Ctx.NewStream(true)
+			// Blocking: ordered after Fill's NULL-stream copies (see sharetest).
+			s, err := env.Ctx.NewStream(false)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -157,7 +157,12 @@ func producer(ce *ChildEnv) error {
 	broadcast := os.Getenv(ParamBroadcast) == "1"
 	var opts share.OfferOptions
 	if os.Getenv(ParamStream) == "1" {
-		s, err := ce.Ctx.NewStream(true)
+		// A blocking stream: its work is ordered after work on the legacy NULL
+		// stream, where Fill's and Check's synchronous copies run (a copy from
+		// pageable memory may return before its DMA lands), so the event the
+		// producer records on it, and the consumer's wait on it, order those
+		// copies. A non-blocking stream lost the tail of a batch on an H200.
+		s, err := ce.Ctx.NewStream(false)
 		if err != nil {
 			return err
 		}
@@ -254,7 +259,12 @@ func consumer(ce *ChildEnv) error {
 	ctx := context.Background()
 	cfg := share.ImporterConfig{Credits: uint32(Param(ParamCredits, 8)), Logger: ce.Log}
 	if os.Getenv(ParamStream) == "1" {
-		s, err := ce.Ctx.NewStream(true)
+		// A blocking stream: its work is ordered after work on the legacy NULL
+		// stream, where Fill's and Check's synchronous copies run (a copy from
+		// pageable memory may return before its DMA lands), so the event the
+		// producer records on it, and the consumer's wait on it, order those
+		// copies. A non-blocking stream lost the tail of a batch on an H200.
+		s, err := ce.Ctx.NewStream(false)
 		if err != nil {
 			return err
 		}
