@@ -97,7 +97,7 @@ ours() {
 		-consumers 1 -wait 60s -json "$@" >"$OUT/$label.producer.json" 2>"$OUT/$label.producer.log" &
 	local ppid=$!
 	timeout -k 10 "$limit" "$BIN/consumer" -socket "$sock" -device "$cdev" -wait 60s -verify "$verify" \
-		-workers "$workers" -credits 16 -json >"$OUT/$label.consumer.json" 2>"$OUT/$label.consumer.log"
+		-workers "${row_workers:-$workers}" -credits "${row_credits:-16}" -json >"$OUT/$label.consumer.json" 2>"$OUT/$label.consumer.log"
 	local cexit=$?
 	# A consumer that failed leaves the producer waiting for it: end it
 	# (timeout passes the signal on; the producer shuts down gracefully).
@@ -105,7 +105,7 @@ ours() {
 	wait "$ppid"
 	local pexit=$?
 	python3 bench/report.py row "$label" "$OUT/$label.producer.json" "$OUT/$label.consumer.json" "$pexit" "$cexit" \
-		mode="$mode" size="$size" ring=8 device="$dev" consumer_device="$cdev" verify="$verify" workers="$workers" |
+		mode="$mode" size="$size" ring=8 device="$dev" consumer_device="$cdev" verify="$verify" workers="${row_workers:-$workers}" |
 		tee -a "$OUT/bench.jsonl"
 	if [ "$pexit" != 0 ] || [ "$cexit" != 0 ]; then
 		failed=$((failed + 1))
@@ -141,6 +141,9 @@ for pair in "${pairs[@]}"; do
 	for v in byte none; do
 		ours "cudashare-ring-gpu$d$c-verify-$v" ring $((1 << 20)) "$d" "$c" "$v" -ring 8 -size 1MiB
 	done
+	# The handoff alone, against the 300,000/s target: no GPU work, no
+	# event, a deeper window and more workers.
+	row_workers=4 row_credits=64 ours "cudashare-ring-gpu$d$c-handoff" ring $((1 << 20)) "$d" "$c" none -ring 64 -size 1MiB -fill=false
 	for v in byte none; do
 		ours "cudashare-fresh-gpu$d$c-verify-$v" fresh $((64 << 20)) "$d" "$c" "$v" -fresh -ring 8 -size 64MiB
 	done

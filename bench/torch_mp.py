@@ -38,6 +38,11 @@ def parse_size(s):
 def consumer(q, back, n, device):
     import torch
     torch.cuda.set_device(device)
+    # Initialize CUDA before saying ready, so that the measured run times
+    # handoffs, not this process's start (a spawn plus CUDA context creation
+    # take seconds, and counting them cut torch's rate tenfold).
+    torch.zeros(1, device="cuda:%d" % device).item()
+    back.put("ready")
     lat = []
     bad = 0
     for _ in range(n):
@@ -88,6 +93,8 @@ def main():
     def run(count):
         p = ctx.Process(target=consumer, args=(q, back, count, cdev))
         p.start()
+        if back.get() != "ready":
+            raise RuntimeError("the consumer did not start")
         free = list(range(a.ring)) if ring else None
         start = time.perf_counter()
         inflight = 0

@@ -35,6 +35,7 @@ type producerConfig struct {
 	wait            time.Duration
 	broadcast       bool
 	event           bool
+	fill            bool
 	shutdownTimeout time.Duration
 	json            bool
 	verbose         bool
@@ -57,6 +58,7 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.IntVar(&cfg.consumers, "consumers", 1, "wait for this many consumers before the first batch")
 	fs.DurationVar(&cfg.wait, "wait", 0, "fail if -consumers have not connected within this long (0: wait until interrupted)")
 	fs.BoolVar(&cfg.broadcast, "broadcast", false, "lend every batch to every connected consumer, instead of each batch to one")
+	fs.BoolVar(&cfg.fill, "fill", true, "write each batch's pattern on the GPU; -fill=false offers buffers unwritten, with no GPU work and no event, to measure the handoff alone (pair it with the consumer's -verify none)")
 	fs.BoolVar(&cfg.event, "event", true, "record an interprocess event after the fill, which the consumer's stream waits on; -event=false synchronizes on the host before each offer instead")
 	fs.DurationVar(&cfg.shutdownTimeout, "shutdown-timeout", 30*time.Second, "at the end, how long to wait for consumers to release and unmap the buffers")
 	fs.BoolVar(&cfg.json, "json", false, "print one JSON line of results instead of the summary")
@@ -79,7 +81,7 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	p := &producer{cfg: cfg, log: newLogger(stderr, "producer", cfg.verbose)}
 	p.rep = ProducerReport{
 		Role: "producer", Device: cfg.device, Socket: cfg.socket, Mode: "ring", Broadcast: cfg.broadcast,
-		Event: cfg.event, Size: cfg.size, Ring: cfg.ring, MemUsedBefore: -1, MemUsedAfter: -1,
+		Event: cfg.event, Fill: cfg.fill, Size: cfg.size, Ring: cfg.ring, MemUsedBefore: -1, MemUsedAfter: -1,
 	}
 	if cfg.fresh {
 		p.rep.Mode = "fresh"
@@ -222,13 +224,15 @@ func (p *producer) serve(ctx context.Context, exp *share.Exporter, dctx *driver.
 			}
 			return fmt.Errorf("take a buffer for batch %d: %w", seq, err)
 		}
-		if err := p.fill(dctx, stream, b, seq); err != nil {
-			b.Free()
-			return err
-		}
 		opts := share.OfferOptions{Meta: appendMeta(meta[:0], seq, monoNow())}
-		if p.cfg.event {
-			opts.Stream = stream
+		if p.cfg.fill {
+			if err := p.fill(dctx, stream, b, seq); err != nil {
+				b.Free()
+				return err
+			}
+			if p.cfg.event {
+				opts.Stream = stream
+			}
 		}
 		err = p.offer(runCtx, exp, b, opts)
 		// An arena buffer goes back to the arena once its consumers release

@@ -18,6 +18,7 @@ type ProducerReport struct {
 	Mode         string  `json:"mode"` // "ring" or "fresh"
 	Broadcast    bool    `json:"broadcast"`
 	Event        bool    `json:"event"`
+	Fill         bool    `json:"fill"`
 	Size         uint64  `json:"size"`
 	Ring         int     `json:"ring"`
 	Batches      uint64  `json:"batches"` // buffers filled and offered
