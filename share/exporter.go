@@ -127,6 +127,10 @@ type consumer struct {
 type leaseSlot struct {
 	b   *Buffer
 	gen uint32
+	// sent: the offer's send finished and counted in Stats.Offers. A
+	// consumer dropped while the send is in flight voids the lease, and
+	// finishLocked settles the count.
+	sent bool
 }
 
 // NewExporter listens on the Unix socket at path (see transport.Listen for
@@ -507,6 +511,7 @@ func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64) {
 	s := &c.slots[idx]
 	s.gen++
 	s.b = b
+	s.sent = false
 	c.out++
 	b.leases++
 	b.sending++
@@ -554,6 +559,13 @@ func (e *Exporter) finishLocked(c *consumer, b *Buffer, seq uint64, err error) {
 		e.stats.BytesOffered += b.size
 		if b.ring != nil && b.held {
 			b.offered = true
+		}
+		if c.dropped {
+			// The consumer was dropped while this offer was being sent:
+			// the drop voided the lease without counting it; it ended.
+			e.stats.Releases++
+		} else if s := &c.slots[uint32(seq)]; s.b == b && s.gen == uint32(seq>>32) {
+			s.sent = true
 		}
 	} else if !c.dropped {
 		idx := uint32(seq)
@@ -875,7 +887,10 @@ func (e *Exporter) dropLocked(c *consumer) {
 	for i := range c.slots {
 		if b := c.slots[i].b; b != nil {
 			c.slots[i].b = nil
-			e.stats.Releases++
+			if c.slots[i].sent {
+				// An offer still being sent is counted by finishLocked.
+				e.stats.Releases++
+			}
 			e.unleaseLocked(b)
 		}
 	}

@@ -299,9 +299,21 @@ func openFDs() map[int]string {
 		if err != nil {
 			continue // the directory's own descriptor, gone by now
 		}
+		if driverOwned(target) {
+			continue
+		}
 		fds[fd] = target
 	}
 	return fds
+}
+
+// driverOwned reports descriptors that the real CUDA driver opens for
+// itself and keeps for the life of the process: its device files, and the
+// shared memory behind interprocess events (/dev/shm/cuda.shm.*, first
+// seen on an H200 when a test recorded an IPC event). They are not ours to
+// close, so they are no leak of ours.
+func driverOwned(target string) bool {
+	return strings.HasPrefix(target, "/dev/nvidia") || strings.HasPrefix(target, "/dev/shm/cuda.shm.")
 }
 
 // leaks waits up to wait for stragglers, then describes the descriptors
