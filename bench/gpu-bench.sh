@@ -141,6 +141,11 @@ for pair in "${pairs[@]}"; do
 	for v in byte none; do
 		ours "cudashare-ring-gpu$d$c-verify-$v" ring $((1 << 20)) "$d" "$c" "$v" -ring 8 -size 1MiB
 	done
+	# The same with 8 workers: on one GPU each verification is a copy in the
+	# consumer's context, which waits for the GPU to switch from the
+	# producer's; more copies in flight share a switch.
+	row_workers=8 ours "cudashare-ring-gpu$d$c-verify-byte-w8" ring $((1 << 20)) "$d" "$c" byte -ring 8 -size 1MiB
+	row_workers=8 ours "cudashare-fresh-gpu$d$c-verify-byte-w8" fresh $((64 << 20)) "$d" "$c" byte -fresh -ring 8 -size 64MiB
 	# The handoff alone, against the 300,000/s target: no GPU work, no
 	# event, a deeper window and more workers.
 	row_workers=4 row_credits=64 ours "cudashare-ring-gpu$d$c-handoff" ring $((1 << 20)) "$d" "$c" none -ring 64 -size 1MiB -fill=false
