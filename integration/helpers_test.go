@@ -10,13 +10,14 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
 	"github.com/seed743c36cf/cudashare/internal/app"
+
+	"github.com/seed743c36cf/cudashare/internal/testutil"
 )
 
 // childWatchdog kills a child that outlives any reasonable test, so that a
@@ -115,8 +116,8 @@ type proc struct {
 	t      *testing.T
 	name   string
 	cmd    *exec.Cmd
-	stdout syncBuffer
-	stderr syncBuffer
+	stdout testutil.SyncBuffer
+	stderr testutil.SyncBuffer
 	done   chan struct{}
 	code   int       // exit code, or 128+signal; valid once done is closed
 	ended  time.Time // when Wait returned
@@ -318,30 +319,6 @@ func mustContain(t *testing.T, what, s string, subs ...string) {
 			t.Errorf("%s does not say %q:\n%s", what, sub, s)
 		}
 	}
-}
-
-// syncBuffer is a bytes.Buffer safe for a child's writes and the test's reads.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-func (s *syncBuffer) Bytes() []byte {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return append([]byte(nil), s.b.Bytes()...)
 }
 
 func itoa(n int) string { return strconv.Itoa(n) }

@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/seed743c36cf/cudashare/internal/testutil"
 )
 
 // TestExchange proves every message reaches the peer intact and in order,
@@ -471,7 +473,7 @@ func TestRemoteErrorMatches(t *testing.T) {
 // the right error code, the failure is logged, and Accept returns only the
 // good connection that follows.
 func TestHandshakeFailures(t *testing.T) {
-	var log syncBuffer
+	var log testutil.SyncBuffer
 	cfg := testConfig(RoleProducer, &log)
 	cfg.HandshakeTimeout = 200 * time.Millisecond
 	l := listen(t, cfg)
@@ -594,7 +596,7 @@ func TestDialContext(t *testing.T) {
 // logs it, and the dialer sees ErrPeerRefused. The cross-user version, as
 // root, is TestCredentialsRefused.
 func TestRefusedInProcess(t *testing.T) {
-	var log syncBuffer
+	var log testutil.SyncBuffer
 	cfg := testConfig(RoleProducer, &log)
 	cfg.AllowedUIDs = []uint32{uint32(os.Getuid()) + 4242}
 	l := listen(t, cfg)

@@ -18,6 +18,8 @@ import (
 
 	"github.com/vmihailenco/msgpack/v5"
 	"golang.org/x/sys/unix"
+
+	"github.com/seed743c36cf/cudashare/internal/testutil"
 )
 
 // socketDir returns a fresh private directory with a short path (socket
@@ -181,7 +183,7 @@ func listenRaw(path string) (*net.UnixListener, error) {
 
 // waitLog waits for want to appear in log: a listener logs after it
 // answers the peer.
-func waitLog(t testing.TB, log *syncBuffer, want string) {
+func waitLog(t testing.TB, log *testutil.SyncBuffer, want string) {
 	t.Helper()
 	for deadline := time.Now().Add(5 * time.Second); !strings.Contains(log.String(), want); {
 		if time.Now().After(deadline) {

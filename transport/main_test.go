@@ -3,17 +3,16 @@
 package transport
 
 import (
-	"bytes"
 	"fmt"
 	"net"
 	"os"
-	"path/filepath"
 	"runtime"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
+
+	"github.com/seed743c36cf/cudashare/internal/testutil"
 )
 
 // TestMain fails the run if the tests leave a descriptor open or a
@@ -27,7 +26,7 @@ func TestMain(m *testing.M) {
 	if ln, err := net.Listen("unix", "@cudashare-transport-warmup"); err == nil {
 		ln.Close()
 	}
-	before := openFDs()
+	before := testutil.OpenFDs()
 	code := m.Run()
 	if code == 0 {
 		if msg := leaks(before); msg != "" {
@@ -43,7 +42,7 @@ func leaks(before map[int]string) string {
 	var msg string
 	for deadline := time.Now().Add(5 * time.Second); ; {
 		msg = ""
-		for fd, target := range openFDs() {
+		for fd, target := range testutil.OpenFDs() {
 			if _, ok := before[fd]; !ok {
 				msg += fmt.Sprintf("  descriptor %d -> %s\n", fd, target)
 			}
@@ -56,24 +55,6 @@ func leaks(before map[int]string) string {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-}
-
-func openFDs() map[int]string {
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		panic(err)
-	}
-	fds := make(map[int]string)
-	for _, e := range ents {
-		var fd int
-		fmt.Sscan(e.Name(), &fd)
-		target, err := os.Readlink(filepath.Join("/proc/self/fd", e.Name()))
-		if err != nil {
-			continue // the directory's own descriptor, gone by now
-		}
-		fds[fd] = target
-	}
-	return fds
 }
 
 // ourGoroutines returns the stacks of goroutines running code of this
@@ -97,12 +78,12 @@ func ourGoroutines() []string {
 // open when it started.
 func checkNoFDLeak(t *testing.T) {
 	t.Helper()
-	before := openFDs()
+	before := testutil.OpenFDs()
 	t.Cleanup(func() {
 		deadline := time.Now().Add(2 * time.Second)
 		for {
 			var extra []string
-			for fd, target := range openFDs() {
+			for fd, target := range testutil.OpenFDs() {
 				if before[fd] != target {
 					extra = append(extra, fmt.Sprintf("%d -> %s", fd, target))
 				}
@@ -118,22 +99,4 @@ func checkNoFDLeak(t *testing.T) {
 			time.Sleep(10 * time.Millisecond)
 		}
 	})
-}
-
-// syncBuffer is a bytes.Buffer safe for a logger and a test to share.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }

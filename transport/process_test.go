@@ -18,6 +18,8 @@ import (
 	"time"
 
 	"github.com/vmihailenco/msgpack/v5"
+
+	"github.com/seed743c36cf/cudashare/internal/testutil"
 )
 
 // Helper processes: the test binary re-run with helperEnv naming a mode,
@@ -125,7 +127,7 @@ func checkHelperOffer(o *Offer) error {
 // helper is a running helper process.
 type helper struct {
 	cmd  *exec.Cmd
-	out  *syncBuffer
+	out  *testutil.SyncBuffer
 	once sync.Once
 	err  error
 }
@@ -141,7 +143,7 @@ func startHelper(t testing.TB, mode, path string, env []string, cred *syscall.Cr
 			t.Fatal(err)
 		}
 	}
-	h := &helper{cmd: exec.Command(bin, "-test.run=^TestHelperProcess$"), out: new(syncBuffer)}
+	h := &helper{cmd: exec.Command(bin, "-test.run=^TestHelperProcess$"), out: new(testutil.SyncBuffer)}
 	h.cmd.Env = append(os.Environ(), append(env, helperEnv+"="+mode, helperPath+"="+path)...)
 	h.cmd.Dir = filepath.Dir(bin)
 	h.cmd.Stdout, h.cmd.Stderr = h.out, h.out
@@ -170,7 +172,7 @@ func TestCredentialsRefused(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root, to start a helper process as uid 65534")
 	}
-	var log syncBuffer
+	var log testutil.SyncBuffer
 	l := listen(t, testConfig(RoleProducer, &log))
 	// Let the other user reach the socket, so that SO_PEERCRED alone
 	// stands between it and the listener.

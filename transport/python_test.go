@@ -9,6 +9,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/seed743c36cf/cudashare/internal/testutil"
 )
 
 // pythonWithMsgpack returns a Python interpreter that has the msgpack
@@ -34,7 +36,7 @@ func TestPythonPeer(t *testing.T) {
 	cfg.Devices = []UUID{{0xaa}}
 	l := listen(t, cfg)
 	cmd := exec.Command(py, "testdata/pyclient.py", l.Addr())
-	out := new(syncBuffer)
+	out := new(testutil.SyncBuffer)
 	cmd.Stdout, cmd.Stderr = out, out
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -22,7 +22,6 @@ package sharetest
 
 import (
 	"bufio"
-	"bytes"
 	"context"
 	"encoding/binary"
 	"encoding/json"
@@ -44,6 +43,8 @@ import (
 	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
+
+	"github.com/seed743c36cf/cudashare/internal/testutil"
 )
 
 // EnvChild names the routine a child process runs.
@@ -109,7 +110,7 @@ func mainParent(m *testing.M) int {
 	if ln, err := net.Listen("unix", "@cudashare-share-warmup-"+strconv.Itoa(os.Getpid())); err == nil {
 		ln.Close()
 	}
-	before := openFDs()
+	before := testutil.OpenFDs()
 	code := m.Run()
 	if err := ctx.Close(); err != nil && code == 0 {
 		fmt.Fprintln(os.Stderr, "FAIL: release the primary context:", err)
@@ -133,7 +134,7 @@ func Setup(t testing.TB) *Env {
 		t.Fatal("sharetest: Main did not run")
 	}
 	violations := CountViolations(t)
-	before := openFDs()
+	before := testutil.OpenFDs()
 	t.Cleanup(func() {
 		if t.Failed() {
 			return
@@ -284,38 +285,6 @@ func (e *Env) CheckMemory(t testing.TB, before uint64) {
 
 // --- Leaks -----------------------------------------------------------------
 
-func openFDs() map[int]string {
-	ents, err := os.ReadDir("/proc/self/fd")
-	if err != nil {
-		panic(err)
-	}
-	fds := make(map[int]string)
-	for _, e := range ents {
-		fd, err := strconv.Atoi(e.Name())
-		if err != nil {
-			continue
-		}
-		target, err := os.Readlink(filepath.Join("/proc/self/fd", e.Name()))
-		if err != nil {
-			continue // the directory's own descriptor, gone by now
-		}
-		if driverOwned(target) {
-			continue
-		}
-		fds[fd] = target
-	}
-	return fds
-}
-
-// driverOwned reports descriptors that the real CUDA driver opens for
-// itself and keeps for the life of the process: its device files, and the
-// shared memory behind interprocess events (/dev/shm/cuda.shm.*, first
-// seen on an H200 when a test recorded an IPC event). They are not ours to
-// close, so they are no leak of ours.
-func driverOwned(target string) bool {
-	return strings.HasPrefix(target, "/dev/nvidia") || strings.HasPrefix(target, "/dev/shm/cuda.shm.")
-}
-
 // leaks waits up to wait for stragglers, then describes the descriptors
 // not in before and the goroutines of the package under test.
 func leaks(before map[int]string, wait time.Duration) string {
@@ -323,7 +292,7 @@ func leaks(before map[int]string, wait time.Duration) string {
 	for deadline := time.Now().Add(wait); ; {
 		msg = ""
 		var extra []string
-		for fd, target := range openFDs() {
+		for fd, target := range testutil.OpenFDs() {
 			// The simulator's registry file is held by a Driver for its
 			// life: not a leak of the code under test.
 			if before[fd] != target && filepath.Base(strings.TrimSuffix(target, " (deleted)")) != "registry" {
@@ -501,22 +470,7 @@ func (c *Child) Wait() {
 func (c *Child) Stderr() string { return c.stderr.String() }
 
 // SyncBuffer is a bytes.Buffer safe for a logger and a test to share.
-type SyncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *SyncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *SyncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
+type SyncBuffer = testutil.SyncBuffer
 
 // --- Data ------------------------------------------------------------------
 
