@@ -635,13 +635,12 @@ func (c *Conn) Shutdown(ctx context.Context, reason string) error {
 }
 
 // SendGoodbye says goodbye with reason and waits, within ctx, until it is
-// written, but leaves the connection open; Close it afterwards. A side
-// that closes right after its goodbye can make the peer's next write fail
-// (EPIPE) before the peer has read the goodbye, which is then lost with
-// the peer's socket: the peer sees a disconnection, not a clean end. A
-// side that needs its goodbye seen says it with SendGoodbye and closes
-// once the peer has closed (its Recv returns) or a timeout passes; a peer
-// closes as soon as it reads a goodbye.
+// written, but leaves the connection open; Close it afterwards. Shutdown
+// closes at once: the peer still reads the goodbye, because a write that
+// fails after the peer has closed leaves the socket open for Recv to
+// drain (TestShutdownWhilePeerWrites). SendGoodbye is for a side that
+// wants to linger until the peer has closed (its Recv returns) or a
+// timeout passes, as the share package's importer does.
 func (c *Conn) SendGoodbye(ctx context.Context, reason string) error {
 	if err := c.lockRoom(ctx, false); err != nil {
 		return err
