@@ -126,6 +126,17 @@ func (e *confEnv) peerPair(t *testing.T) (int, int) {
 	return 0, 0
 }
 
+// peerContexts finds two devices that can access each other, retains
+// their primary contexts on a locked thread and makes the first current.
+func (e *confEnv) peerContexts(t *testing.T) (cur, peer api.Context) {
+	t.Helper()
+	i, j := e.peerPair(t)
+	lockThread(t)
+	cur, peer = e.primary(t, i), e.primary(t, j)
+	e.setCurrent(t, cur)
+	return cur, peer
+}
+
 // alloc makes a device allocation in the current context, freed at the end.
 func (e *confEnv) alloc(t *testing.T, c api.Context, size uint64) api.DevicePtr {
 	t.Helper()
@@ -206,10 +217,7 @@ func conformanceCases() []confCase {
 	// cuCtxEnablePeerAccess
 	add(confCase{fn: "cuCtxEnablePeerAccess", code: api.Success, what: "two peer-capable devices",
 		run: func(t *testing.T, e *confEnv) api.Result {
-			i, j := e.peerPair(t)
-			lockThread(t)
-			ci, cj := e.primary(t, i), e.primary(t, j)
-			e.setCurrent(t, ci)
+			ci, cj := e.peerContexts(t)
 			r := e.a.CtxEnablePeerAccess(cj, 0)
 			if r == api.Success {
 				t.Cleanup(func() { e.a.CtxSetCurrent(ci); e.a.CtxDisablePeerAccess(cj) })
@@ -218,10 +226,7 @@ func conformanceCases() []confCase {
 		}})
 	add(confCase{fn: "cuCtxEnablePeerAccess", code: api.ErrorPeerAccessAlreadyEnabled, what: "enabled twice",
 		run: func(t *testing.T, e *confEnv) api.Result {
-			i, j := e.peerPair(t)
-			lockThread(t)
-			ci, cj := e.primary(t, i), e.primary(t, j)
-			e.setCurrent(t, ci)
+			ci, cj := e.peerContexts(t)
 			if r := e.a.CtxEnablePeerAccess(cj, 0); r != api.Success {
 				t.Fatalf("first enable: %s", r.Name())
 			}
@@ -230,10 +235,7 @@ func conformanceCases() []confCase {
 		}})
 	add(confCase{fn: "cuCtxEnablePeerAccess", code: api.ErrorInvalidValue, what: "Flags not 0",
 		run: func(t *testing.T, e *confEnv) api.Result {
-			i, j := e.peerPair(t)
-			lockThread(t)
-			ci, cj := e.primary(t, i), e.primary(t, j)
-			e.setCurrent(t, ci)
+			ci, cj := e.peerContexts(t)
 			r := e.a.CtxEnablePeerAccess(cj, 1)
 			if r == api.Success {
 				t.Cleanup(func() { e.a.CtxSetCurrent(ci); e.a.CtxDisablePeerAccess(cj) })
@@ -282,10 +284,7 @@ func conformanceCases() []confCase {
 	// cuCtxDisablePeerAccess
 	add(confCase{fn: "cuCtxDisablePeerAccess", code: api.Success, what: "after enabling",
 		run: func(t *testing.T, e *confEnv) api.Result {
-			i, j := e.peerPair(t)
-			lockThread(t)
-			ci, cj := e.primary(t, i), e.primary(t, j)
-			e.setCurrent(t, ci)
+			_, cj := e.peerContexts(t)
 			if r := e.a.CtxEnablePeerAccess(cj, 0); r != api.Success {
 				t.Fatalf("enable: %s", r.Name())
 			}
@@ -293,10 +292,7 @@ func conformanceCases() []confCase {
 		}})
 	add(confCase{fn: "cuCtxDisablePeerAccess", code: api.ErrorPeerAccessNotEnabled, what: "never enabled",
 		run: func(t *testing.T, e *confEnv) api.Result {
-			i, j := e.peerPair(t)
-			lockThread(t)
-			ci, cj := e.primary(t, i), e.primary(t, j)
-			e.setCurrent(t, ci)
+			_, cj := e.peerContexts(t)
 			return e.a.CtxDisablePeerAccess(cj)
 		}})
 	add(confCase{fn: "cuCtxDisablePeerAccess", code: api.ErrorInvalidContext, what: "no current context",
