@@ -149,6 +149,7 @@ for pair in "${pairs[@]}"; do
 	# The handoff alone, against the 300,000/s target: no GPU work, no
 	# event, a deeper window and more workers.
 	row_workers=4 row_credits=64 ours "cudashare-ring-gpu$d$c-handoff" ring $((1 << 20)) "$d" "$c" none -ring 64 -size 1MiB -fill=false
+	row_workers=4 row_credits=64 ours "cudashare-fresh-gpu$d$c-handoff" fresh $((64 << 20)) "$d" "$c" none -fresh -ring 64 -size 64MiB -fill=false
 	for v in byte none; do
 		ours "cudashare-fresh-gpu$d$c-verify-$v" fresh $((64 << 20)) "$d" "$c" "$v" -fresh -ring 8 -size 64MiB
 	done
