@@ -27,4 +27,7 @@ var (
 	ErrRetired = errors.New("share: allocation retired")
 	// ErrFreed: the buffer was freed.
 	ErrFreed = errors.New("share: buffer freed")
+	// ErrNotHeld: the buffer is not the producer's to offer: a ring
+	// buffer that went back to its ring (Acquire it again first).
+	ErrNotHeld = errors.New("share: buffer not held by the producer")
 )

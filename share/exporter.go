@@ -25,7 +25,25 @@ type ExporterConfig struct {
 	// Logger receives arrivals and losses of consumers and memory that
 	// Close could not free. Nil means slog.Default().
 	Logger *slog.Logger
+	// LeaseTimeout is how long a consumer may hold one lease. A consumer
+	// that holds a lease longer is stuck: it is dropped with an error
+	// (transport.ErrTimeout) that says so, and what it held is handled as
+	// for a lost consumer. 0 means DefaultLeaseTimeout; negative, no
+	// deadline.
+	LeaseTimeout time.Duration
+	// MaxLeasesPerConsumer caps the leases one consumer holds at once,
+	// below the credits it granted. 0 means no cap but the credits. Offer
+	// picks, among consumers with a credit, the one holding the fewest
+	// leases, so one slow consumer never holds more than about its share.
+	MaxLeasesPerConsumer int
+	// WriteTimeout bounds how long a consumer may leave the producer's
+	// messages unread before it is dropped (transport.Config.WriteTimeout).
+	// 0 means the transport's default.
+	WriteTimeout time.Duration
 }
+
+// DefaultLeaseTimeout is ExporterConfig.LeaseTimeout's default.
+const DefaultLeaseTimeout = 60 * time.Second
 
 // ExporterStats are an exporter's counters.
 type ExporterStats struct {
@@ -37,6 +55,13 @@ type ExporterStats struct {
 	Leases        int    // leases outstanding now
 	Retired       uint64 // allocations retired (and freed, if the exporter allocated them)
 	Allocations   int    // allocations known now: registered, rings and arenas
+	// ConsumersDropped counts consumers the producer dropped: a protocol
+	// violation, a lease held past LeaseTimeout, or messages left unread
+	// past WriteTimeout.
+	ConsumersDropped uint64
+	// BroadcastMissed counts consumers a Broadcast skipped because they
+	// had no free credit (their backlog was full).
+	BroadcastMissed uint64
 }
 
 // Exporter is the producer side: it listens on a Unix socket, accepts

@@ -38,6 +38,10 @@ type ImporterConfig struct {
 	// Logger receives leases that were garbage-collected without Release.
 	// Nil means slog.Default().
 	Logger *slog.Logger
+	// WriteTimeout bounds how long the producer may leave this consumer's
+	// messages unread (transport.Config.WriteTimeout). 0 means the
+	// transport's default.
+	WriteTimeout time.Duration
 }
 
 // MaxCredits bounds ImporterConfig.Credits.
