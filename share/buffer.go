@@ -161,24 +161,43 @@ func (r *Ring) Acquire(ctx context.Context) (*Buffer, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err // a loop bounded by its context must end even when a buffer is free
 	}
-	select {
-	case b := <-r.free:
-		e := r.e
-		e.mu.Lock()
-		defer e.mu.Unlock()
-		if err := e.offerableLocked(b); err != nil {
-			r.free <- b
-			return nil, err
+	for {
+		select {
+		case b := <-r.free:
+			if b, err := r.take(b); b != nil || err != nil {
+				return b, err
+			}
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-r.dead:
+			return nil, fmt.Errorf("%w: ring allocation %d", ErrRetired, r.rec.id)
+		case <-r.e.done:
+			return nil, ErrClosed
 		}
-		b.held = true
-		return b, nil
-	case <-ctx.Done():
-		return nil, ctx.Err()
-	case <-r.dead:
-		return nil, fmt.Errorf("%w: ring allocation %d", ErrRetired, r.rec.id)
-	case <-r.e.done:
-		return nil, ErrClosed
 	}
+}
+
+// take gives b, just taken from the free list, to the producer; nil, nil
+// if it must not have it.
+func (r *Ring) take(b *Buffer) (*Buffer, error) {
+	e := r.e
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if err := e.offerableLocked(b); err != nil {
+		r.free <- b
+		return nil, err
+	}
+	if b.leases > 0 || b.sending > 0 {
+		// Never hand out a buffer a consumer holds: it would be
+		// rewritten under the reader. Offer refuses buffers the producer
+		// does not hold, so this is a bug; the buffer comes back once idle.
+		e.log.Error("share: a leased ring buffer was in the free list; keeping it out until released",
+			"alloc", b.rec.id, "offset", b.off, "leases", b.leases)
+		b.held, b.offered = true, true
+		return nil, nil
+	}
+	b.held = true
+	return b, nil
 }
 
 // Retire retires the ring's allocation (see Exporter.Retire) and frees it.

@@ -66,17 +66,39 @@
 //     goodbye, and a goodbye tells the exporter that the consumer holds
 //     nothing: its leases end and its mappings are gone.
 //
-// # Consumers that disappear
+// # Consumers that disappear, stall or lie
 //
-// A consumer whose connection ends without a goodbye may have died, or may
-// be alive with its mappings open (its connection failed). The exporter
-// takes it out of the rotation at once, but voids its leases and mappings
-// only once its process has exited, watched through a pidfd opened while
-// it was connected (so its pid cannot have been reused): process exit
-// unmaps everything, which makes freeing safe. An allocation blocked only
-// by that consumer is then freed by the retirement waiting on it; a ring
-// buffer it held comes back. A consumer that stays alive without a goodbye
-// keeps its allocations allocated, as it must.
+// One consumer's misbehaviour never stops the producer serving the others,
+// and never makes it free memory that may be in use (PROTOCOL.md, sections
+// 6.1 and 7.1, say the same for peers in other languages):
+//
+//   - What a consumer may map belongs to its connection: nothing is voided
+//     while the connection is open. A consumer whose connection ends
+//     without a goodbye may have died, or may be alive with its mappings
+//     open (its connection failed). The exporter takes it out of the
+//     rotation at once; if it held nothing, it is forgotten at once;
+//     otherwise its leases and mappings are void once its process has
+//     exited (process exit unmaps everything), watched through a pidfd
+//     opened while it was connected, one per process however many
+//     connections it opens. A ring buffer it held then comes back, and a
+//     retirement waiting on it finishes.
+//   - If that process exits while its connection is still open (it handed
+//     the connection to another process), or its pid is unknown (another
+//     PID namespace), no process can be watched for it: what it may map
+//     stays allocated until the producer exits. ExporterStats says so.
+//   - Offer picks the consumer holding the fewest leases among those with
+//     a credit (and below MaxLeasesPerConsumer), so a stalled consumer
+//     holds no more than its share. Broadcast never waits for a consumer
+//     that cannot take a buffer; that consumer misses it (see Broadcast).
+//   - A consumer holding a lease longer than LeaseTimeout is dropped with
+//     an error that says why, and handled as above.
+//   - A closed that could be false (not the answer to a retire, or while
+//     the consumer holds leases in the allocation), or a release of an
+//     offer the consumer does not hold, is a protocol error: the consumer
+//     is dropped and handled as above; nothing is freed on its word.
+//   - A Shutdown that gives up waiting still says goodbye to every
+//     consumer that holds nothing, tells the others why they are dropped,
+//     and names them in its error.
 //
 // A producer that disappears ends every Importer's Next with
 // ErrProducerGone; queued leases are dropped, mappings with no lease close

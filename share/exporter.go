@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"maps"
 	"slices"
@@ -59,9 +58,14 @@ type ExporterStats struct {
 	// violation, a lease held past LeaseTimeout, or messages left unread
 	// past WriteTimeout.
 	ConsumersDropped uint64
-	// BroadcastMissed counts consumers a Broadcast skipped because they
-	// had no free credit (their backlog was full).
+	// BroadcastMissed counts consumers a Broadcast skipped because their
+	// backlog was full (see Broadcast).
 	BroadcastMissed uint64
+	// ConsumersUnwatched counts connections that outlived the process
+	// that opened them (handed to another process): what they may map is
+	// never freed before the producer exits, since no process is known to
+	// watch.
+	ConsumersUnwatched uint64
 }
 
 // Exporter is the producer side: it listens on a Unix socket, accepts
@@ -88,8 +92,11 @@ type Exporter struct {
 	allocs      map[uint64]*allocRec
 	byBase      map[driver.DevicePtr]*allocRec
 	eventPool   []*expEvent
-	creditWait  chan struct{} // closed when a credit may have come free; made by a waiter
-	changed     chan struct{} // closed on any other change waiters watch
+	pids        map[int]*procWatch // the watch of each consumer process
+	maxLeases   uint64             // ExporterConfig.MaxLeasesPerConsumer; 0: none
+	epoch       uint64             // the lease clock: ticks of leaseJanitor
+	creditWait  chan struct{}      // closed when a credit may have come free; made by a waiter
+	changed     chan struct{}      // closed on any other change waiters watch
 	stats       ExporterStats
 }
 
@@ -117,7 +124,7 @@ type allocRec struct {
 
 	state   recState
 	sending int                    // offers between reservation and queueing
-	mappers map[*consumer]struct{} // consumers that may have it mapped
+	mappers map[*consumer]struct{} // consumers that may have it mapped (their allocs say how)
 	evBufs  map[*Buffer]struct{}   // buffers holding a pooled event
 }
 
@@ -125,37 +132,6 @@ type allocRec struct {
 type expEvent struct {
 	ev *driver.Event
 	h  transport.IPCHandle
-}
-
-// consumer is one connected consumer.
-type consumer struct {
-	e     *Exporter
-	conn  *transport.Conn
-	peer  transport.Peer
-	watch *procWatch
-
-	// Guarded by Exporter.mu.
-	window, out uint64 // credits granted; offers not released
-	slots       []leaseSlot
-	freeSlots   []uint32
-	allocs      map[*allocRec]bool // allocations it may map; true once sent a retire
-	active      bool               // in the rotation
-	saidBye     bool               // it said goodbye: everything it held is void
-	sentBye     bool               // we said goodbye after retiring everything
-	dropped     bool
-
-	ended chan struct{} // closed when its connection has ended
-}
-
-// leaseSlot is an outstanding offer. seq = gen<<32 | index, so a release
-// finds its buffer without a map and a stale seq does not match.
-type leaseSlot struct {
-	b   *Buffer
-	gen uint32
-	// sent: the offer's send finished and counted in Stats.Offers. A
-	// consumer dropped while the send is in flight voids the lease, and
-	// finishLocked settles the count.
-	sent bool
 }
 
 // NewExporter listens on the Unix socket at path (see transport.Listen for
@@ -177,6 +153,14 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 	if len(cfg.AllowedUIDs) > 0 {
 		tcfg.AllowedUIDs = cfg.AllowedUIDs
 	}
+	if cfg.WriteTimeout < 0 || cfg.MaxLeasesPerConsumer < 0 {
+		return nil, errors.New("share: NewExporter: negative WriteTimeout or MaxLeasesPerConsumer")
+	}
+	tcfg.WriteTimeout = cfg.WriteTimeout
+	leaseTimeout := cfg.LeaseTimeout
+	if leaseTimeout == 0 {
+		leaseTimeout = DefaultLeaseTimeout
+	}
 	ln, err := transport.Listen(ctx, path, tcfg)
 	if err != nil {
 		return nil, err
@@ -190,10 +174,17 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 		conns:  make(map[*consumer]struct{}),
 		allocs: make(map[uint64]*allocRec),
 		byBase: make(map[driver.DevicePtr]*allocRec),
+		pids:   make(map[int]*procWatch),
+
+		maxLeases: uint64(cfg.MaxLeasesPerConsumer),
 	}
 	e.life, e.cancel = context.WithCancel(context.Background())
 	e.wg.Add(1)
 	go e.acceptLoop()
+	if leaseTimeout > 0 {
+		e.wg.Add(1)
+		go e.leaseJanitor(leaseTimeout)
+	}
 	return e, nil
 }
 
@@ -374,7 +365,7 @@ func (e *Exporter) Offer(ctx context.Context, b *Buffer, opts OfferOptions) erro
 	e.mu.Lock()
 	var c *consumer
 	for {
-		if err := e.offerableLocked(b); err != nil {
+		if err := e.lendableLocked(b); err != nil {
 			e.mu.Unlock()
 			return err
 		}
@@ -396,10 +387,15 @@ func (e *Exporter) Offer(ctx context.Context, b *Buffer, opts OfferOptions) erro
 	return err
 }
 
-// Broadcast lends b to every consumer connected when it starts (waiting
-// within ctx for one if there is none), waiting within ctx for each to
-// have a credit. It returns how many it reached; a consumer that goes away
-// meanwhile is skipped. The event, if any, is recorded once.
+// Broadcast lends b to every consumer that can take it now, and returns
+// how many it reached. It waits within ctx only while no consumer can:
+// a slow consumer never holds back the others. A consumer that cannot
+// take b misses it (Stats.BroadcastMissed counts each miss): one at its
+// cap (its credits, or MaxLeasesPerConsumer) and, while other consumers
+// are connected, one that holds half or more of b's ring (or of b's
+// arena's bytes) already, so that a stalled consumer never pins a whole
+// ring. A consumer that goes away meanwhile is skipped. The event, if
+// any, is recorded once.
 func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) (int, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err
@@ -408,19 +404,19 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 		return 0, err
 	}
 	e.mu.Lock()
-	for len(e.consumers) == 0 {
-		if err := e.offerableLocked(b); err != nil {
+	for {
+		if err := e.lendableLocked(b); err != nil {
 			e.mu.Unlock()
 			return 0, err
 		}
-		if err := e.waitLocked(ctx, &e.changed); err != nil {
+		if slices.ContainsFunc(e.consumers, func(c *consumer) bool { return e.takesLocked(c, b) }) {
+			break
+		}
+		// Credit, a new consumer and a lost one all wake creditWait.
+		if err := e.waitLocked(ctx, &e.creditWait); err != nil {
 			e.mu.Unlock()
 			return 0, err
 		}
-	}
-	if err := e.offerableLocked(b); err != nil {
-		e.mu.Unlock()
-		return 0, err
 	}
 	targets := slices.Clone(e.consumers)
 	// Pin b: a consumer that releases quickly must not return it to its
@@ -438,25 +434,16 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 	n := 0
 	for _, c := range targets {
 		e.mu.Lock()
-		skip := false
-		for {
-			if err := e.offerableLocked(b); err != nil {
-				e.mu.Unlock()
-				return n, err
-			}
-			if c.dropped || !c.active {
-				skip = true
-				break
-			}
-			if c.out < c.window {
-				break
-			}
-			if err := e.waitLocked(ctx, &e.creditWait); err != nil {
-				e.mu.Unlock()
-				return n, err
-			}
+		if err := e.lendableLocked(b); err != nil {
+			e.mu.Unlock()
+			return n, err
 		}
-		if skip {
+		if !c.active {
+			e.mu.Unlock()
+			continue
+		}
+		if !e.takesLocked(c, b) {
+			e.stats.BroadcastMissed++
 			e.mu.Unlock()
 			continue
 		}
@@ -483,12 +470,40 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 	return n, nil
 }
 
-// own checks that b is a live buffer of e.
+// takesLocked reports whether c can take a broadcast of b now.
+func (e *Exporter) takesLocked(c *consumer, b *Buffer) bool {
+	if !c.active || c.out >= e.capLocked(c) {
+		return false
+	}
+	m := c.allocs[b.rec]
+	if m == nil || m.leases == 0 || len(e.consumers) < 2 {
+		return true
+	}
+	switch rec := b.rec; {
+	case rec.ring != nil:
+		return 2*m.leases < len(rec.ring.bufs)
+	case rec.arena != nil:
+		return 2*(m.bytes+b.size) <= rec.size
+	}
+	return true
+}
+
+// own checks that b is a buffer of e.
 func (e *Exporter) own(b *Buffer) error {
 	if b == nil || b.e != e {
 		return errors.New("share: the buffer does not belong to this exporter")
 	}
 	return nil
+}
+
+// lendableLocked says why b cannot be lent now, if it cannot. mu held.
+func (e *Exporter) lendableLocked(b *Buffer) error {
+	if b.ring != nil && !b.held {
+		// Back in its ring: the next Acquire may hand it out to be
+		// rewritten while this lease would be read.
+		return fmt.Errorf("%w: ring buffer at offset %d of allocation %d went back to its ring; Acquire it again", ErrNotHeld, b.off, b.rec.id)
+	}
+	return e.offerableLocked(b)
 }
 
 // offerableLocked says why b cannot be offered, if it cannot. mu held.
@@ -504,23 +519,36 @@ func (e *Exporter) offerableLocked(b *Buffer) error {
 	return nil
 }
 
-// pickLocked returns the next consumer in rotation with a credit, or nil.
+// pickLocked returns the consumer to lend to next, or nil if none can
+// take a lease: of those below their cap, the one holding the fewest
+// leases, ties going round-robin. So a consumer that stops releasing
+// stops being picked once it holds more than the others, and can never
+// hold much more than its share of what is lent.
 func (e *Exporter) pickLocked() *consumer {
 	n := len(e.consumers)
+	var best *consumer
+	at := 0
 	for i := range n {
 		j := e.rr + i
 		if j >= n {
 			j -= n
 		}
-		if c := e.consumers[j]; c.out < c.window {
-			e.rr = j + 1
-			if e.rr == n {
-				e.rr = 0
-			}
-			return c
+		c := e.consumers[j]
+		if c.out >= e.capLocked(c) || (best != nil && c.out >= best.out) {
+			continue
+		}
+		best, at = c, j
+		if c.out == 0 {
+			break
 		}
 	}
-	return nil
+	if best != nil {
+		e.rr = at + 1
+		if e.rr == n {
+			e.rr = 0
+		}
+	}
+	return best
 }
 
 // reserveLocked takes a credit of c and a lease slot for b.
@@ -537,16 +565,21 @@ func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64) {
 	s.gen++
 	s.b = b
 	s.sent = false
+	s.epoch = e.epoch
 	c.out++
 	b.leases++
 	b.sending++
 	b.offers++
 	b.rec.sending++
 	e.stats.Leases++
-	if _, ok := c.allocs[b.rec]; !ok {
-		c.allocs[b.rec] = false
+	m := c.allocs[b.rec]
+	if m == nil {
+		m = &mapping{}
+		c.allocs[b.rec] = m
 		b.rec.mappers[c] = struct{}{}
 	}
+	m.leases++
+	m.bytes += b.size
 	return uint64(s.gen)<<32 | uint64(idx), b.offers
 }
 
@@ -600,6 +633,7 @@ func (e *Exporter) finishLocked(c *consumer, b *Buffer, seq uint64, err error) {
 			c.out--
 			b.leases--
 			e.stats.Leases--
+			e.unmapLeaseLocked(c, b)
 			e.notifyLocked(&e.creditWait)
 		}
 	}
@@ -654,6 +688,29 @@ func (e *Exporter) bufferEvent(b *Buffer) (*expEvent, error) {
 	return ev, nil
 }
 
+// unleaseLocked ends one lease of b.
+func (e *Exporter) unleaseLocked(b *Buffer) {
+	b.leases--
+	e.stats.Leases--
+	if b.leases == 0 && b.sending == 0 {
+		e.idleLocked(b)
+	}
+}
+
+// idleLocked runs when b has no lease and no offer in flight: waiters
+// wake, a pending Free completes, a ring buffer that was offered goes back
+// to its ring.
+func (e *Exporter) idleLocked(b *Buffer) {
+	e.notifyLocked(&b.idle)
+	switch {
+	case b.freePending:
+		e.freeBufferLocked(b)
+	case b.ring != nil && b.held && b.offered:
+		b.held, b.offered = false, false
+		b.ring.free <- b // never blocks: the ring has room for all its buffers
+	}
+}
+
 // --- Waiting and notifying -------------------------------------------------
 
 // waitLocked waits for *ch to be closed by notifyLocked, within ctx and the
@@ -686,246 +743,6 @@ func (e *Exporter) notifyLocked(ch *chan struct{}) {
 }
 
 // --- Consumers --------------------------------------------------------------
-
-// Consumers returns the number of consumers taking offers now.
-func (e *Exporter) Consumers() int {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return len(e.consumers)
-}
-
-// WaitConsumers waits within ctx until at least n consumers take offers.
-func (e *Exporter) WaitConsumers(ctx context.Context, n int) error {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	for len(e.consumers) < n {
-		if e.closing {
-			return ErrClosed
-		}
-		if err := e.waitLocked(ctx, &e.changed); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// Stats returns the exporter's counters.
-func (e *Exporter) Stats() ExporterStats {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	s := e.stats
-	s.Consumers = len(e.consumers)
-	s.Allocations = len(e.allocs)
-	return s
-}
-
-func (e *Exporter) acceptLoop() {
-	defer e.wg.Done()
-	for {
-		conn, err := e.ln.Accept(e.life)
-		if err != nil {
-			return
-		}
-		peer := conn.Peer()
-		c := &consumer{
-			e: e, conn: conn, peer: peer,
-			watch:  watchProcess(int(peer.PID)),
-			window: conn.Credits(),
-			allocs: make(map[*allocRec]bool),
-			ended:  make(chan struct{}),
-		}
-		e.mu.Lock()
-		if e.closing {
-			e.mu.Unlock()
-			ctx, cancel := context.WithTimeout(e.life, time.Second)
-			conn.Shutdown(ctx, "producer shutting down")
-			cancel()
-			c.watch.close()
-			continue
-		}
-		e.conns[c] = struct{}{}
-		e.consumers = append(e.consumers, c)
-		c.active = true
-		e.notifyLocked(&e.changed)
-		e.notifyLocked(&e.creditWait)
-		e.mu.Unlock()
-		e.log.Debug("share: consumer connected", "peer", peer.String(), "credits", c.window)
-		e.wg.Add(1)
-		go c.recvLoop()
-	}
-}
-
-func (c *consumer) recvLoop() {
-	e := c.e
-	defer e.wg.Done()
-	defer c.watch.close()
-	var m transport.Message
-	var err error
-	for {
-		if err = c.conn.Recv(context.Background(), &m); err != nil {
-			break
-		}
-		switch m.Kind {
-		case transport.KindRelease:
-			e.onRelease(c, m.Seqs)
-		case transport.KindClosed:
-			e.onClosed(c, m.AllocID)
-		case transport.KindCredit:
-			e.mu.Lock()
-			c.window += uint64(m.Credits)
-			e.notifyLocked(&e.creditWait)
-			e.mu.Unlock()
-		case transport.KindGoodbye:
-			e.mu.Lock()
-			c.saidBye = true
-			e.deactivateLocked(c)
-			e.mu.Unlock()
-			err = io.EOF // nothing comes after it
-		}
-		if err != nil {
-			break
-		}
-	}
-	close(c.ended)
-	e.onGone(c, err)
-}
-
-func (e *Exporter) onRelease(c *consumer, seqs []uint64) {
-	bad := 0
-	e.mu.Lock()
-	for _, seq := range seqs {
-		idx := uint32(seq)
-		if int(idx) >= len(c.slots) || c.slots[idx].gen != uint32(seq>>32) || c.slots[idx].b == nil {
-			bad++
-			continue
-		}
-		s := &c.slots[idx]
-		b := s.b
-		s.b = nil
-		c.freeSlots = append(c.freeSlots, idx)
-		c.out--
-		e.stats.Releases++
-		e.unleaseLocked(b)
-	}
-	e.notifyLocked(&e.creditWait)
-	e.mu.Unlock()
-	if bad > 0 {
-		e.log.Warn("share: consumer released offers it does not hold", "peer", c.peer.String(), "count", bad)
-	}
-}
-
-// unleaseLocked ends one lease of b.
-func (e *Exporter) unleaseLocked(b *Buffer) {
-	b.leases--
-	e.stats.Leases--
-	if b.leases == 0 && b.sending == 0 {
-		e.idleLocked(b)
-	}
-}
-
-// idleLocked runs when b has no lease and no offer in flight: waiters
-// wake, a pending Free completes, a ring buffer that was offered goes back
-// to its ring.
-func (e *Exporter) idleLocked(b *Buffer) {
-	e.notifyLocked(&b.idle)
-	switch {
-	case b.freePending:
-		e.freeBufferLocked(b)
-	case b.ring != nil && b.held && b.offered:
-		b.held, b.offered = false, false
-		b.ring.free <- b // never blocks: the ring has room for all its buffers
-	}
-}
-
-func (e *Exporter) onClosed(c *consumer, allocID uint64) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	rec := e.allocs[allocID]
-	if rec == nil {
-		return
-	}
-	if _, ok := c.allocs[rec]; !ok {
-		return
-	}
-	delete(c.allocs, rec)
-	delete(rec.mappers, c)
-	if rec.state != recLive && len(rec.mappers) == 0 {
-		e.notifyLocked(&e.changed)
-	}
-}
-
-// deactivateLocked takes c out of the rotation.
-func (e *Exporter) deactivateLocked(c *consumer) {
-	if !c.active {
-		return
-	}
-	c.active = false
-	if i := slices.Index(e.consumers, c); i >= 0 {
-		e.consumers = slices.Delete(e.consumers, i, i+1)
-		if e.rr > i {
-			e.rr--
-		}
-		if e.rr >= len(e.consumers) {
-			e.rr = 0
-		}
-	}
-	e.notifyLocked(&e.changed)
-	e.notifyLocked(&e.creditWait)
-}
-
-// onGone handles the end of c's connection. After a goodbye (either way)
-// c's leases and mappings are void at once. Without one, they are void
-// only once c's process has exited, which unmapped them: until then they
-// keep their buffers leased and their allocations unfreed.
-func (e *Exporter) onGone(c *consumer, err error) {
-	e.mu.Lock()
-	e.deactivateLocked(c)
-	clean := c.saidBye || c.sentBye
-	if !clean && e.life.Err() == nil {
-		e.stats.ConsumersLost++
-	}
-	e.mu.Unlock()
-	c.conn.Close()
-	if e.life.Err() != nil {
-		return // Close deals with what is left
-	}
-	if !clean {
-		e.log.Warn("share: consumer lost without a goodbye; its leases and mappings end when its process exits",
-			"peer", c.peer.String(), "err", err)
-		if werr := c.watch.wait(e.life); werr != nil {
-			return
-		}
-		e.log.Info("share: lost consumer's process exited; reclaiming its leases and mappings", "peer", c.peer.String())
-	}
-	e.mu.Lock()
-	e.dropLocked(c)
-	e.mu.Unlock()
-}
-
-// dropLocked voids every lease and mapping of c.
-func (e *Exporter) dropLocked(c *consumer) {
-	if c.dropped {
-		return
-	}
-	c.dropped = true
-	delete(e.conns, c)
-	for i := range c.slots {
-		if b := c.slots[i].b; b != nil {
-			c.slots[i].b = nil
-			if c.slots[i].sent {
-				// An offer still being sent is counted by finishLocked.
-				e.stats.Releases++
-			}
-			e.unleaseLocked(b)
-		}
-	}
-	c.slots, c.freeSlots, c.out = nil, nil, 0
-	for rec := range c.allocs {
-		delete(rec.mappers, c)
-	}
-	c.allocs = nil
-	e.notifyLocked(&e.changed)
-}
 
 // --- Retiring ----------------------------------------------------------------
 
@@ -970,8 +787,8 @@ func (e *Exporter) startRetire(ctx context.Context, rec *allocRec) error {
 	}
 	var targets []*consumer
 	for c := range rec.mappers {
-		if !c.allocs[rec] {
-			c.allocs[rec] = true
+		if m := c.allocs[rec]; !m.retireSent && !c.ended {
+			m.retireSent = true
 			targets = append(targets, c)
 		}
 	}
@@ -979,8 +796,8 @@ func (e *Exporter) startRetire(ctx context.Context, rec *allocRec) error {
 	for _, c := range targets {
 		if err := c.conn.SendRetire(ctx, rec.id); err != nil && ctx.Err() != nil {
 			e.mu.Lock()
-			if _, ok := c.allocs[rec]; ok {
-				c.allocs[rec] = false // tell it on the next try
+			if m := c.allocs[rec]; m != nil {
+				m.retireSent = false // not queued: tell it on the next try
 			}
 			e.mu.Unlock()
 			return err
@@ -1045,8 +862,13 @@ func (e *Exporter) dropRecLocked(rec *allocRec) {
 // Shutdown ends the exporter gracefully: it stops offering and accepting,
 // retires every allocation, waits within ctx until every consumer has
 // closed its mappings (or left), frees what the exporter allocated, says
-// goodbye to each consumer and closes. If ctx ends first it closes at
-// once, as Close does, and returns ctx's error.
+// goodbye to each consumer and closes.
+//
+// If ctx ends first, it still says goodbye to every consumer that holds
+// nothing (so that a well-behaved consumer is not told the producer
+// crashed), drops the others with an error that says why, closes as Close
+// does (never freeing what a consumer may map), and returns an error that
+// matches ctx's and names what each blocking consumer still maps.
 func (e *Exporter) Shutdown(ctx context.Context) error {
 	e.mu.Lock()
 	e.closing = true
@@ -1068,31 +890,56 @@ func (e *Exporter) Shutdown(ctx context.Context) error {
 			}
 		}
 	}
-	if err == nil {
-		e.mu.Lock()
-		conns := slices.Collect(maps.Keys(e.conns))
-		for _, c := range conns {
+	var done, stuck []*consumer
+	e.mu.Lock()
+	if err != nil {
+		if blockers := e.blockersLocked(recs); blockers != nil {
+			err = fmt.Errorf("share: shutdown: %w; %w", err, blockers)
+		}
+	}
+	for c := range e.conns {
+		switch {
+		case c.ended || c.kicked:
+		case c.holdsLocked():
+			stuck = append(stuck, c)
+		default:
 			c.sentBye = true
+			done = append(done, c)
 		}
-		e.mu.Unlock()
-		// Say goodbye to all, then wait for each to close (a consumer
-		// closes when it reads the goodbye): closing first could make a
-		// consumer's last write fail before it has read the goodbye.
-		for _, c := range conns {
-			c.conn.SendGoodbye(ctx, "producer shut down")
-		}
-		for _, c := range conns {
-			select {
-			case <-c.ended:
-				continue
-			case <-ctx.Done():
-				err = ctx.Err()
+	}
+	e.mu.Unlock()
+	for _, c := range stuck {
+		e.kick(c, fmt.Errorf("%w: the producer shut down before this consumer released its leases and closed its mappings", transport.ErrTimeout))
+	}
+	// The goodbyes go out even after ctx ended, briefly: they cost the
+	// good consumers nothing and tell them the truth.
+	byeCtx, cancel := ctx, context.CancelFunc(func() {})
+	if ctx.Err() != nil {
+		byeCtx, cancel = context.WithTimeout(context.Background(), goodbyeGrace)
+	}
+	defer cancel()
+	// Say goodbye to all, then wait for each to close (a consumer closes
+	// when it reads the goodbye): closing first could make a consumer's
+	// last write fail before it has read the goodbye.
+	for _, c := range done {
+		c.conn.SendGoodbye(byeCtx, "producer shut down")
+	}
+	for _, c := range done {
+		select {
+		case <-c.done:
+			continue
+		case <-byeCtx.Done():
+			if err == nil {
+				err = fmt.Errorf("share: shutdown: waiting for consumers to read the goodbye: %w", byeCtx.Err())
 			}
-			break
 		}
+		break
 	}
 	return errors.Join(err, e.Close())
 }
+
+// goodbyeGrace bounds the goodbyes of a Shutdown whose context ended.
+const goodbyeGrace = time.Second
 
 // Close ends the exporter at once: it stops listening and closes every
 // connection without waiting for anything. It frees only the allocations

@@ -131,6 +131,7 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 	tcfg.Devices = []transport.UUID{transport.UUID(dev)}
 	tcfg.Credits = cfg.Credits
 	tcfg.Logger = log
+	tcfg.WriteTimeout = cfg.WriteTimeout
 	if len(cfg.AllowedUIDs) > 0 {
 		tcfg.AllowedUIDs = cfg.AllowedUIDs
 	}

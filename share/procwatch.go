@@ -23,11 +23,20 @@ import (
 // have been reused, which becomes readable when every thread of the
 // process has exited; where pidfds are not available, it polls
 // /proc/<pid>/stat, comparing the start time.
+//
+// Every connection of one process shares one watch (Exporter.pids): a
+// process that opens a thousand connections costs one descriptor and one
+// goroutine, not a thousand.
 type procWatch struct {
 	pid   int
 	self  bool     // the peer is this process (a test with the simulator)
 	f     *os.File // the pidfd; nil when polling
 	start uint64   // for polling: the start time seen at connect; 0 unknown
+
+	// Guarded by Exporter.mu.
+	cons   map[*consumer]struct{} // the consumers it watches for
+	exited bool                   // the process has exited
+	stop   context.CancelFunc     // ends the watching goroutine
 }
 
 const procPollInterval = 20 * time.Millisecond
@@ -35,7 +44,7 @@ const procPollInterval = 20 * time.Millisecond
 var longAgo = time.Unix(1, 0)
 
 func watchProcess(pid int) *procWatch {
-	w := &procWatch{pid: pid, self: pid == os.Getpid()}
+	w := &procWatch{pid: pid, self: pid == os.Getpid(), cons: make(map[*consumer]struct{})}
 	if w.self || pid <= 0 {
 		return w
 	}
@@ -51,7 +60,9 @@ func watchProcess(pid int) *procWatch {
 func (w *procWatch) wait(ctx context.Context) error {
 	switch {
 	case w.pid <= 0:
-		return nil
+		// Unknown (another PID namespace): it cannot be watched.
+		<-ctx.Done()
+		return ctx.Err()
 	case w.self:
 		<-ctx.Done()
 		return ctx.Err()

@@ -303,7 +303,9 @@ func TestProducerKilled(t *testing.T) {
 }
 
 // TestBroadcast proves that Broadcast lends every buffer to every
-// consumer, and that each consumer maps the ring once.
+// consumer that keeps up, and to no consumer more than its backlog allows:
+// every offer is accounted for as sent or missed, every lease a consumer
+// got has the right bytes, and each consumer maps the ring once.
 func TestBroadcast(t *testing.T) {
 	env := sharetest.Setup(t)
 	mem := env.FreeMemory(t)
@@ -322,6 +324,7 @@ func TestBroadcast(t *testing.T) {
 		t.Fatal(err)
 	}
 	const count = 30
+	reached := 0
 	for i := range count {
 		b, err := r.Acquire(ctx)
 		if err != nil {
@@ -331,22 +334,28 @@ func TestBroadcast(t *testing.T) {
 			t.Fatal(err)
 		}
 		n, err := e.Broadcast(ctx, b, share.OfferOptions{Meta: sharetest.Meta(uint64(i))})
-		if err != nil || n != len(cs) {
-			t.Fatalf("Broadcast reached %d consumers (%v), want %d", n, err, len(cs))
+		if err != nil || n < 1 || n > len(cs) {
+			t.Fatalf("Broadcast reached %d consumers (%v), want 1 to %d", n, err, len(cs))
 		}
+		reached += n
 	}
 	s := shutdown(t, e)
-	if s.Offers != count*uint64(len(cs)) || s.Releases != s.Offers {
-		t.Errorf("exporter stats %+v", s)
+	if s.Offers != uint64(reached) || s.Releases != s.Offers || s.Offers+s.BroadcastMissed != count*uint64(len(cs)) {
+		t.Errorf("exporter stats %+v; %d reached", s, reached)
 	}
+	got := 0
 	for _, c := range cs {
 		var rep sharetest.ConsumerReport
 		c.Report(&rep)
 		c.Wait()
-		checkConsumer(t, &rep, count)
+		checkConsumer(t, &rep, rep.Leases)
+		got += rep.Leases
 		if rep.Registry.Opens != 1 {
 			t.Errorf("a consumer opened the ring %d times, want once", rep.Registry.Opens)
 		}
+	}
+	if got != reached {
+		t.Errorf("consumers got %d leases, Broadcast reached %d", got, reached)
 	}
 }
 

@@ -12,6 +12,8 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"os/exec"
+	"os/signal"
 	"runtime"
 	"runtime/pprof"
 	"strconv"
@@ -59,6 +61,7 @@ var routines = map[string]func(*ChildEnv) error{
 	"rawconsumer": rawConsumer,
 	"freeonbye":   freeOnGoodbye,
 	"export":      exportHandle,
+	"holder":      holder,
 }
 
 // Param returns the integer parameter name, or def.
@@ -458,49 +461,164 @@ func exportHandle(ce *ChildEnv) error {
 	return ce.Ctx.Free(p)
 }
 
-// rawConsumer maps its first offer by hand (with ParamHold 0, none),
-// prints HELD, and on
-// "disconnect" closes its connection without a goodbye while keeping the
-// mapping open, as a consumer whose connection failed would. On "exit" it
-// closes the mapping and exits.
+// rawConsumer is a consumer on the bare transport, which can do what the
+// Importer never does. It takes ParamHold offers (1), mapping the first
+// one's allocation (and checking its bytes), prints HELD n, then obeys
+// lines on stdin: "closed" sends closed for that allocation, unasked;
+// "bogus-release" releases a sequence number it was never sent;
+// "release" releases what it holds; "handoff" hands the connection and
+// the mapping to a new process (routine holder), prints HANDED pid, and
+// returns; "disconnect" closes the connection without a goodbye; "exit"
+// closes the mapping and returns. Each command is answered with its name
+// in capitals once done.
 func rawConsumer(ce *ChildEnv) error {
 	ctx, cancel := context.WithTimeout(context.Background(), ExpectTimeout)
 	defer cancel()
 	cfg := transport.DefaultConfig(transport.RoleConsumer)
 	cfg.Devices = []transport.UUID{transport.UUID(ce.Ctx.Device().UUID())}
+	before := socketFDs()
 	conn, err := transport.Dial(ctx, os.Getenv(ParamPath), cfg)
 	if err != nil {
 		return err
 	}
 	defer conn.Close()
 	fmt.Println("CONNECTED")
-	if Param(ParamHold, 1) == 0 {
-		fmt.Println("HELD 0")
-		ce.waitLine("disconnect")
-		conn.Close()
-		fmt.Println("DISCONNECTED")
-		ce.waitLine("exit")
-		return nil
-	}
+	var p driver.DevicePtr
+	var first transport.Offer
+	var seqs []uint64
 	var m transport.Message
-	for m.Kind != transport.KindOffer {
+	for len(seqs) < Param(ParamHold, 1) {
 		if err := conn.Recv(ctx, &m); err != nil {
 			return err
 		}
+		if m.Kind != transport.KindOffer {
+			continue
+		}
+		if len(seqs) == 0 {
+			first = m.Offer
+			first.Meta = nil
+			if p, err = ce.Ctx.IpcOpenMemHandle(driver.IpcMemHandle(m.Offer.Handle)); err != nil {
+				return err
+			}
+		}
+		n, _ := ParseMeta(m.Offer.Meta)
+		if err := Check(ce.Ctx, p+driver.DevicePtr(m.Offer.Offset), m.Offer.Size, n); err != nil {
+			return err
+		}
+		seqs = append(seqs, m.Offer.Seq)
 	}
-	p, err := ce.Ctx.IpcOpenMemHandle(driver.IpcMemHandle(m.Offer.Handle))
+	fmt.Printf("HELD %d\n", len(seqs))
+	for {
+		line, err := ce.In.ReadString('\n')
+		cmd := strings.TrimSpace(line)
+		switch {
+		case err != nil || cmd == "exit":
+			if p != 0 {
+				return ce.Ctx.IpcCloseMemHandle(p)
+			}
+			return nil
+		case cmd == "closed":
+			err = conn.SendClosed(ctx, first.AllocID)
+		case cmd == "bogus-release":
+			err = conn.SendRelease(ctx, 1<<40|12345)
+		case cmd == "release":
+			err = conn.SendRelease(ctx, seqs...)
+			seqs = nil
+		case cmd == "disconnect":
+			conn.Close()
+		case cmd == "handoff":
+			pid, err := handOff(conn, before, first)
+			if err != nil {
+				return err
+			}
+			// The holder maps the memory now; this process goes.
+			fmt.Printf("HANDED %d\n", pid)
+			return ce.Ctx.IpcCloseMemHandle(p)
+		default:
+			return fmt.Errorf("unknown command %q", cmd)
+		}
+		if err != nil {
+			return err
+		}
+		if cmd == "disconnect" {
+			cmd = "disconnected"
+		}
+		fmt.Println(strings.ToUpper(cmd))
+	}
+}
+
+// socketFDs returns the socket descriptors this process has open.
+func socketFDs() map[int]bool {
+	fds := map[int]bool{}
+	ents, _ := os.ReadDir("/proc/self/fd")
+	for _, e := range ents {
+		if l, err := os.Readlink("/proc/self/fd/" + e.Name()); err == nil && strings.HasPrefix(l, "socket:") {
+			n, _ := strconv.Atoi(e.Name())
+			fds[n] = true
+		}
+	}
+	return fds
+}
+
+// handOff starts a holder process with the connection's descriptor (the
+// socket opened since before) and the offer's handle, and returns its pid
+// once it has mapped the allocation.
+func handOff(conn *transport.Conn, before map[int]bool, o transport.Offer) (int, error) {
+	fd := -1
+	for n := range socketFDs() {
+		if !before[n] {
+			fd = n
+		}
+	}
+	if fd < 0 {
+		return 0, errors.New("cannot find the connection's descriptor")
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return 0, err
+	}
+	cmd := exec.Command(exe, "-test.run=^$", "-test.bench=^$")
+	cmd.Env = append(os.Environ(), EnvChild+"=holder", "SHARE_HANDLE="+hex.EncodeToString(o.Handle[:]))
+	cmd.ExtraFiles = []*os.File{os.NewFile(uintptr(fd), "conn")}
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return 0, err
+	}
+	if err := cmd.Start(); err != nil {
+		return 0, err
+	}
+	line, _ := bufio.NewReader(out).ReadString('\n')
+	if strings.TrimSpace(line) != "MAPPED" {
+		cmd.Process.Kill()
+		return 0, fmt.Errorf("holder: %q", line)
+	}
+	return cmd.Process.Pid, nil
+}
+
+// holder holds a consumer connection it was handed (descriptor 3) and a
+// mapping of the handle in SHARE_HANDLE, reading nothing: on SIGUSR1 it
+// closes the connection (keeping the mapping), on SIGTERM it closes the
+// mapping and exits.
+func holder(ce *ChildEnv) error {
+	var h driver.IpcMemHandle
+	if _, err := hex.Decode(h[:], []byte(os.Getenv("SHARE_HANDLE"))); err != nil {
+		return err
+	}
+	p, err := ce.Ctx.IpcOpenMemHandle(h)
 	if err != nil {
 		return err
 	}
-	n, _ := ParseMeta(m.Offer.Meta)
-	if err := Check(ce.Ctx, p+driver.DevicePtr(m.Offer.Offset), m.Offer.Size, n); err != nil {
-		return err
+	sigs := make(chan os.Signal, 2)
+	signal.Notify(sigs, syscall.SIGUSR1, syscall.SIGTERM)
+	conn := os.NewFile(3, "conn")
+	fmt.Println("MAPPED")
+	for sig := range sigs {
+		if sig == syscall.SIGUSR1 {
+			conn.Close()
+			continue
+		}
+		break
 	}
-	fmt.Println("HELD 1")
-	ce.waitLine("disconnect")
-	conn.Close()
-	fmt.Println("DISCONNECTED")
-	ce.waitLine("exit")
 	return ce.Ctx.IpcCloseMemHandle(p)
 }
 

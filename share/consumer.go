@@ -1,0 +1,470 @@
+//go:build linux
+
+package share
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"time"
+
+	"github.com/seed743c36cf/cudashare/transport"
+)
+
+// consumer is one connected consumer, from its handshake until the
+// exporter forgets it (dropLocked).
+//
+// What a consumer may map belongs to its connection: nothing is voided
+// while the connection is open. After it ends, its leases and mappings are
+// void at once if it said goodbye (or we did, after it closed
+// everything), or if it held nothing; otherwise once the process that
+// opened the connection has exited, which unmapped everything. If that
+// process exits while the connection is still open, the connection was
+// handed to another process, which the exporter cannot watch: what the
+// connection may map is never voided (PROTOCOL.md, section 7).
+type consumer struct {
+	e     *Exporter
+	conn  *transport.Conn
+	peer  transport.Peer
+	watch *procWatch // shared with the process's other connections
+
+	// Guarded by Exporter.mu.
+	window, out uint64 // credits granted; offers not released
+	slots       []leaseSlot
+	freeSlots   []uint32
+	allocs      map[*allocRec]*mapping // allocations it may map
+	active      bool                   // in the rotation
+	saidBye     bool                   // it said goodbye: everything it held is void
+	sentBye     bool                   // we said goodbye after retiring everything
+	ended       bool                   // its connection has ended
+	handedOff   bool                   // its process exited with the connection open
+	kicked      bool                   // the exporter dropped it for cause
+	dropped     bool                   // forgotten: nothing it held counts
+
+	done chan struct{} // closed when its connection has ended
+}
+
+// mapping is one consumer's use of one allocation.
+type mapping struct {
+	retireSent bool   // it was told to close it, and may answer closed
+	leases     int    // its leases in the allocation
+	bytes      uint64 // what those leases cover
+}
+
+// leaseSlot is an outstanding offer. seq = gen<<32 | index, so a release
+// finds its buffer without a map and a stale seq does not match.
+type leaseSlot struct {
+	b   *Buffer
+	gen uint32
+	// sent: the offer's send finished and counted in Stats.Offers. A
+	// consumer dropped while the send is in flight voids the lease, and
+	// finishLocked settles the count.
+	sent bool
+	// epoch is the lease clock's reading when the offer was made; the
+	// lease janitor compares it with the clock's.
+	epoch uint64
+}
+
+// capLocked is how many leases c may hold at once.
+func (e *Exporter) capLocked(c *consumer) uint64 {
+	if e.maxLeases > 0 {
+		return min(c.window, e.maxLeases)
+	}
+	return c.window
+}
+
+// holdsLocked reports whether c holds a lease or may map an allocation.
+func (c *consumer) holdsLocked() bool { return c.out > 0 || len(c.allocs) > 0 }
+
+// Consumers returns the number of consumers taking offers now.
+func (e *Exporter) Consumers() int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return len(e.consumers)
+}
+
+// WaitConsumers waits within ctx until at least n consumers take offers.
+func (e *Exporter) WaitConsumers(ctx context.Context, n int) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for len(e.consumers) < n {
+		if e.closing {
+			return ErrClosed
+		}
+		if err := e.waitLocked(ctx, &e.changed); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Stats returns the exporter's counters.
+func (e *Exporter) Stats() ExporterStats {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	s := e.stats
+	s.Consumers = len(e.consumers)
+	s.Allocations = len(e.allocs)
+	return s
+}
+
+func (e *Exporter) acceptLoop() {
+	defer e.wg.Done()
+	for {
+		conn, err := e.ln.Accept(e.life)
+		if err != nil {
+			return
+		}
+		peer := conn.Peer()
+		c := &consumer{
+			e: e, conn: conn, peer: peer,
+			window: conn.Credits(),
+			allocs: make(map[*allocRec]*mapping),
+			done:   make(chan struct{}),
+		}
+		e.mu.Lock()
+		if e.closing {
+			e.mu.Unlock()
+			ctx, cancel := context.WithTimeout(e.life, time.Second)
+			conn.Shutdown(ctx, "producer shutting down")
+			cancel()
+			continue
+		}
+		e.watchLocked(c)
+		e.conns[c] = struct{}{}
+		e.consumers = append(e.consumers, c)
+		c.active = true
+		e.notifyLocked(&e.changed)
+		e.notifyLocked(&e.creditWait)
+		e.mu.Unlock()
+		e.log.Info("share: consumer connected", "peer", peer.String(), "credits", c.window)
+		e.wg.Add(1)
+		go c.recvLoop()
+	}
+}
+
+func (c *consumer) recvLoop() {
+	e := c.e
+	defer e.wg.Done()
+	var m transport.Message
+	var err error
+	for {
+		if err = c.conn.Recv(context.Background(), &m); err != nil {
+			break
+		}
+		var bad error
+		switch m.Kind {
+		case transport.KindRelease:
+			bad = e.onRelease(c, m.Seqs)
+		case transport.KindClosed:
+			bad = e.onClosed(c, m.AllocID)
+		case transport.KindCredit:
+			e.mu.Lock()
+			c.window += uint64(m.Credits)
+			e.notifyLocked(&e.creditWait)
+			e.mu.Unlock()
+		case transport.KindGoodbye:
+			e.mu.Lock()
+			c.saidBye = true
+			e.deactivateLocked(c)
+			e.mu.Unlock()
+			err = io.EOF // nothing comes after it
+		}
+		if bad != nil {
+			// The next Recv returns the failure.
+			e.kick(c, bad)
+		}
+		if err != nil {
+			break
+		}
+	}
+	close(c.done)
+	e.onGone(c, err)
+}
+
+// kick drops c for cause: it broke the protocol or held a lease too long.
+// It is told why, and its connection ends; what it held is then handled
+// as for any consumer lost without a goodbye.
+func (e *Exporter) kick(c *consumer, why error) {
+	e.mu.Lock()
+	first := !c.kicked
+	if first {
+		c.kicked = true
+		e.stats.ConsumersDropped++
+		e.deactivateLocked(c)
+	}
+	e.mu.Unlock()
+	if first {
+		e.log.Warn("share: dropping consumer", "peer", c.peer.String(), "why", why)
+		c.conn.CloseWithError(why)
+	}
+}
+
+// onRelease ends the leases the consumer released. A sequence number it
+// does not hold (never sent, or released already) is a protocol error.
+func (e *Exporter) onRelease(c *consumer, seqs []uint64) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	defer e.notifyLocked(&e.creditWait)
+	for _, seq := range seqs {
+		idx := uint32(seq)
+		if int(idx) >= len(c.slots) || c.slots[idx].gen != uint32(seq>>32) || c.slots[idx].b == nil {
+			return fmt.Errorf("%w: release of offer %d, which it does not hold (never sent, or released already)",
+				transport.ErrUnexpectedMessage, seq)
+		}
+		s := &c.slots[idx]
+		b := s.b
+		s.b = nil
+		c.freeSlots = append(c.freeSlots, idx)
+		c.out--
+		e.stats.Releases++
+		e.unmapLeaseLocked(c, b)
+		e.unleaseLocked(b)
+	}
+	return nil
+}
+
+// unmapLeaseLocked takes one of c's leases of b off its mapping's count.
+func (e *Exporter) unmapLeaseLocked(c *consumer, b *Buffer) {
+	if m := c.allocs[b.rec]; m != nil {
+		m.leases--
+		m.bytes -= b.size
+	}
+}
+
+// onClosed takes the consumer's word that it closed its mapping of an
+// allocation. The word is trusted only where it can be true: as the
+// answer to a retire, with no lease of the consumer left in the
+// allocation. Anything else is a protocol error: a consumer that says it
+// closed memory it still holds may still be using it.
+func (e *Exporter) onClosed(c *consumer, allocID uint64) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	rec := e.allocs[allocID]
+	var m *mapping
+	if rec != nil {
+		m = c.allocs[rec]
+	}
+	switch {
+	case m == nil:
+		return fmt.Errorf("%w: closed for allocation %d, which it was never lent or closed already", transport.ErrUnexpectedMessage, allocID)
+	case !m.retireSent:
+		return fmt.Errorf("%w: closed for allocation %d, which was not retired", transport.ErrUnexpectedMessage, allocID)
+	case m.leases > 0:
+		return fmt.Errorf("%w: closed for allocation %d while holding %d lease(s) in it", transport.ErrUnexpectedMessage, allocID, m.leases)
+	}
+	delete(c.allocs, rec)
+	delete(rec.mappers, c)
+	if rec.state != recLive && len(rec.mappers) == 0 {
+		e.notifyLocked(&e.changed)
+	}
+	return nil
+}
+
+// deactivateLocked takes c out of the rotation.
+func (e *Exporter) deactivateLocked(c *consumer) {
+	if !c.active {
+		return
+	}
+	c.active = false
+	if i := slices.Index(e.consumers, c); i >= 0 {
+		e.consumers = slices.Delete(e.consumers, i, i+1)
+		if e.rr > i {
+			e.rr--
+		}
+		if e.rr >= len(e.consumers) {
+			e.rr = 0
+		}
+	}
+	e.notifyLocked(&e.changed)
+	e.notifyLocked(&e.creditWait)
+}
+
+// onGone handles the end of c's connection (see consumer for the rules).
+func (e *Exporter) onGone(c *consumer, err error) {
+	c.conn.Close()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.deactivateLocked(c)
+	c.ended = true
+	clean := c.saidBye || c.sentBye
+	if !clean && e.life.Err() == nil {
+		e.stats.ConsumersLost++
+	}
+	if e.life.Err() != nil {
+		return // Close deals with what is left
+	}
+	switch {
+	case clean || !c.holdsLocked():
+		e.dropLocked(c)
+	case c.handedOff:
+		e.log.Warn("share: consumer lost without a goodbye; its connection had outlived the process that opened it, so the allocations it may map stay allocated until the producer exits",
+			"peer", c.peer.String(), "err", err, "allocations", len(c.allocs), "leases", c.out)
+	case c.watch.exited:
+		e.dropLocked(c)
+	case c.watch.pid <= 0:
+		e.log.Warn("share: consumer lost without a goodbye; its process cannot be watched (another PID namespace), so the allocations it may map stay allocated until the producer exits",
+			"peer", c.peer.String(), "err", err, "allocations", len(c.allocs), "leases", c.out)
+	default:
+		e.log.Warn("share: consumer lost without a goodbye; its leases and mappings end when its process exits",
+			"peer", c.peer.String(), "err", err, "allocations", len(c.allocs), "leases", c.out)
+	}
+}
+
+// dropLocked voids every lease and mapping of c and forgets it.
+func (e *Exporter) dropLocked(c *consumer) {
+	if c.dropped {
+		return
+	}
+	c.dropped = true
+	delete(e.conns, c)
+	for i := range c.slots {
+		if b := c.slots[i].b; b != nil {
+			c.slots[i].b = nil
+			if c.slots[i].sent {
+				// An offer still being sent is counted by finishLocked.
+				e.stats.Releases++
+			}
+			e.unleaseLocked(b)
+		}
+	}
+	c.slots, c.freeSlots, c.out = nil, nil, 0
+	for rec := range c.allocs {
+		delete(rec.mappers, c)
+	}
+	c.allocs = nil
+	e.unwatchLocked(c)
+	e.notifyLocked(&e.changed)
+}
+
+// --- Watching processes ------------------------------------------------------
+
+// watchLocked attaches c to the watch of its process, starting one if the
+// process has none.
+func (e *Exporter) watchLocked(c *consumer) {
+	pid := int(c.peer.PID)
+	w := e.pids[pid]
+	if w == nil || w.exited {
+		// A new process, or one whose pid was reused.
+		w = watchProcess(pid)
+		e.pids[pid] = w
+		ctx, stop := context.WithCancel(e.life)
+		w.stop = stop
+		e.wg.Add(1)
+		go e.watchLoop(ctx, w)
+	}
+	w.cons[c] = struct{}{}
+	c.watch = w
+}
+
+// unwatchLocked detaches c from its process's watch, which ends with its
+// last consumer.
+func (e *Exporter) unwatchLocked(c *consumer) {
+	w := c.watch
+	delete(w.cons, c)
+	if len(w.cons) == 0 {
+		w.stop()
+		if e.pids[w.pid] == w {
+			delete(e.pids, w.pid)
+		}
+	}
+}
+
+// watchLoop waits for w's process to exit.
+func (e *Exporter) watchLoop(ctx context.Context, w *procWatch) {
+	defer e.wg.Done()
+	defer w.close()
+	if err := w.wait(ctx); err != nil {
+		return
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	w.exited = true
+	if e.life.Err() != nil {
+		return
+	}
+	for c := range w.cons {
+		switch {
+		case c.ended && !c.handedOff:
+			e.log.Info("share: lost consumer's process exited; reclaiming its leases and mappings", "peer", c.peer.String())
+			e.dropLocked(c)
+		case c.ended:
+		case c.conn.PeerHungUp():
+			// It died holding the connection, which the kernel closed
+			// first: its receive loop is about to see the end.
+		default:
+			// Someone else holds the connection open: the process that
+			// maps through it now is not one we can watch.
+			c.handedOff = true
+			e.stats.ConsumersUnwatched++
+			e.log.Warn("share: the process that opened a consumer connection exited, and another holds the connection; what it may map stays allocated until it says goodbye or the producer exits",
+				"peer", c.peer.String())
+		}
+	}
+}
+
+// --- Lease deadline ------------------------------------------------------------
+
+// leaseTicks is how many ticks of the lease clock make the lease timeout:
+// a lease is overdue between 1 and 1+1/leaseTicks timeouts after its
+// offer, and the clock costs nothing per offer.
+const leaseTicks = 8
+
+// leaseJanitor drops consumers that hold a lease past the timeout.
+func (e *Exporter) leaseJanitor(timeout time.Duration) {
+	defer e.wg.Done()
+	t := time.NewTicker(max(timeout/leaseTicks, time.Millisecond))
+	defer t.Stop()
+	for {
+		select {
+		case <-t.C:
+		case <-e.life.Done():
+			return
+		}
+		var stuck []*consumer
+		var why []error
+		e.mu.Lock()
+		e.epoch++
+		for c := range e.conns {
+			if c.ended || c.kicked {
+				continue
+			}
+			for i := range c.slots {
+				s := &c.slots[i]
+				if s.b != nil && s.sent && e.epoch-s.epoch > leaseTicks {
+					stuck = append(stuck, c)
+					why = append(why, fmt.Errorf("%w: it held a lease (allocation %d, %d bytes at offset %d) longer than the producer's lease timeout of %v",
+						transport.ErrTimeout, s.b.rec.id, s.b.size, s.b.off, timeout))
+					break
+				}
+			}
+		}
+		e.mu.Unlock()
+		for i, c := range stuck {
+			e.kick(c, why[i])
+		}
+	}
+}
+
+// blockersLocked describes what keeps a retirement from finishing.
+func (e *Exporter) blockersLocked(recs []*allocRec) error {
+	var errs []error
+	for _, rec := range recs {
+		if rec.state == recFreed {
+			continue
+		}
+		for c := range rec.mappers {
+			m := c.allocs[rec]
+			switch {
+			case m == nil:
+			case c.ended:
+				errs = append(errs, fmt.Errorf("allocation %d may still be mapped by %s, lost without a goodbye (%d lease(s))", rec.id, c.peer.String(), m.leases))
+			default:
+				errs = append(errs, fmt.Errorf("allocation %d is still mapped by %s (%d lease(s), retire sent: %v)", rec.id, c.peer.String(), m.leases, m.retireSent))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,412 @@
+//go:build linux
+
+package share_test
+
+import (
+	"context"
+	"errors"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/seed743c36cf/cudashare/driver"
+	"github.com/seed743c36cf/cudashare/share"
+	"github.com/seed743c36cf/cudashare/share/sharetest"
+)
+
+// These tests prove the exporter's policy towards consumers that are slow,
+// stuck or lying (issue 8): one consumer's misbehaviour never stops the
+// producer serving the others, and never makes it free memory in use.
+
+func newExporterWith(t testing.TB, env *sharetest.Env, cfg share.ExporterConfig) *share.Exporter {
+	t.Helper()
+	cfg.Logger = sharetest.Logger(t)
+	e, err := share.NewExporter(sharetest.Ctx(t), env.Ctx, sharetest.SocketPath(t), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	return e
+}
+
+// waitUntil polls cond; the deadline is a watchdog, not a measurement.
+func waitUntil(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(sharetest.ExpectTimeout); !cond(); time.Sleep(2 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}
+
+// TestOfferFairShare: a consumer that stops releasing cannot take the
+// whole ring from the others. With a ring of 8 and 8 credits each, the
+// old round robin gave the stalled consumer every other buffer until it
+// held all 8, and the producer stopped. Now the consumer holding the
+// fewest leases is picked, so the good consumer is served throughout.
+func TestOfferFairShare(t *testing.T) {
+	env := sharetest.Setup(t)
+	mem := env.FreeMemory(t)
+	defer env.CheckMemory(t, mem)
+	e := newExporter(t, env)
+	stalled := startConsumer(t, e, sharetest.EnvParam(sharetest.ParamHold, 8))
+	good := startConsumer(t, e)
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 2); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(8, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	offerRing(t, env, e, r, 0, 200)
+	// Once the good consumer has released its last, what is left is the
+	// stalled one's: never the whole ring.
+	waitUntil(t, "the good consumer to release", func() bool { return e.Stats().Leases < 8 })
+	// The stalled consumer never reached its 8: kill it, which returns
+	// what it held once its process is gone.
+	stalled.Kill()
+	s := shutdown(t, e)
+	if s.Offers != 200 || s.ConsumersLost != 1 {
+		t.Errorf("exporter stats %+v", s)
+	}
+	var rep sharetest.ConsumerReport
+	good.Report(&rep)
+	good.Wait()
+	checkConsumer(t, &rep, rep.Leases)
+	if rep.Leases < 200-8 {
+		t.Errorf("the good consumer got %d of 200 batches", rep.Leases)
+	}
+}
+
+// TestMaxLeasesPerConsumer: the cap holds a consumer below its credits.
+func TestMaxLeasesPerConsumer(t *testing.T) {
+	env := sharetest.Setup(t)
+	mem := env.FreeMemory(t)
+	defer env.CheckMemory(t, mem)
+	e := newExporterWith(t, env, share.ExporterConfig{MaxLeasesPerConsumer: 2})
+	c := startConsumer(t, e, sharetest.EnvParam(sharetest.ParamHold, 3))
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(4, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	offerRing(t, env, e, r, 0, 2)
+	b, err := r.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	short, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	if err := e.Offer(short, b, share.OfferOptions{Meta: sharetest.Meta(2)}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a third offer to a consumer capped at 2: %v, want to wait", err)
+	}
+	b.Free()
+	c.Kill()
+	shutdown(t, e)
+}
+
+// TestBroadcastStalledConsumer: in broadcast mode a consumer that stops
+// releasing misses buffers rather than stalling the others: it can pin at
+// most half the ring, and the producer goes on at the pace of the others.
+func TestBroadcastStalledConsumer(t *testing.T) {
+	env := sharetest.Setup(t)
+	mem := env.FreeMemory(t)
+	defer env.CheckMemory(t, mem)
+	e := newExporter(t, env)
+	stalled := startConsumer(t, e, sharetest.EnvParam(sharetest.ParamHold, 8))
+	good := startConsumer(t, e)
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 2); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(8, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const count = 100
+	for i := range count {
+		b, err := r.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), uint64(i)); err != nil {
+			t.Fatal(err)
+		}
+		if n, err := e.Broadcast(ctx, b, share.OfferOptions{Meta: sharetest.Meta(uint64(i))}); err != nil || n < 1 {
+			t.Fatalf("Broadcast %d reached %d consumers: %v", i, n, err)
+		}
+	}
+	s := e.Stats()
+	if s.BroadcastMissed < count-8 || s.Leases > 4+8 {
+		t.Errorf("stats with a stalled consumer: %+v; want it to miss nearly every batch and pin at most half the ring", s)
+	}
+	stalled.Kill()
+	shutdown(t, e)
+	var rep sharetest.ConsumerReport
+	good.Report(&rep)
+	good.Wait()
+	checkConsumer(t, &rep, rep.Leases)
+	if rep.Leases < count/2 {
+		t.Errorf("the good consumer got %d of %d batches", rep.Leases, count)
+	}
+}
+
+// TestLeaseTimeout: a consumer that holds a lease past the deadline is
+// dropped with an error that says so, the others go on, and what it held
+// comes back only once its process has exited (it may still map it).
+func TestLeaseTimeout(t *testing.T) {
+	env := sharetest.Setup(t)
+	mem := env.FreeMemory(t)
+	defer env.CheckMemory(t, mem)
+	e := newExporterWith(t, env, share.ExporterConfig{LeaseTimeout: 300 * time.Millisecond})
+	stuck := startConsumer(t, e, sharetest.EnvParam(sharetest.ParamHold, 1))
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(2, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	offerRing(t, env, e, r, 0, 1)
+	stuck.Expect("HELD 1")
+	waitUntil(t, "the stuck consumer to be dropped", func() bool { return e.Stats().ConsumersDropped == 1 })
+	good := startConsumer(t, e)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	// The ring has one buffer left in circulation; the good consumer
+	// releases each at once.
+	offerRing(t, env, e, r, 1, 20)
+	// Until the stuck consumer's process exits, its lease stands: the good
+	// consumer's go down to 0 as it releases them.
+	waitUntil(t, "only the stuck consumer's lease to be left", func() bool { return e.Stats().Leases == 1 })
+	stuck.Send("release")
+	var srep sharetest.ConsumerReport
+	stuck.Report(&srep)
+	stuck.Wait()
+	if !strings.Contains(srep.Gone, "lease timeout") {
+		t.Errorf("the stuck consumer was told %q, want the lease timeout", srep.Gone)
+	}
+	s := shutdown(t, e)
+	if s.Offers != 21 || s.Releases != 21 {
+		t.Errorf("exporter stats %+v", s)
+	}
+	var rep sharetest.ConsumerReport
+	good.Report(&rep)
+	good.Wait()
+	checkConsumer(t, &rep, 20)
+}
+
+// lyingConsumer starts a raw consumer holding both buffers of a ring of
+// two, and checks that after cmd the exporter
+// drops it for a protocol error without freeing what it maps.
+func lyingConsumer(t *testing.T, cmd string) {
+	env := sharetest.Setup(t)
+	mem := env.FreeMemory(t)
+	defer env.CheckMemory(t, mem)
+	e := newExporter(t, env)
+	c := sharetest.Start(t, "rawconsumer", sharetest.EnvParam(sharetest.ParamPath, e.Addr()), sharetest.EnvParam(sharetest.ParamHold, 2))
+	c.Expect("CONNECTED")
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(2, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	offerRing(t, env, e, r, 0, 2)
+	c.Expect("HELD 2")
+	c.Send(cmd)
+	waitUntil(t, "the lying consumer to be dropped", func() bool {
+		s := e.Stats()
+		return s.ConsumersDropped == 1 && s.Consumers == 0
+	})
+	short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	if err := r.Retire(short); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Retire while the lying consumer still maps the ring: %v, want to wait", err)
+	}
+	c.Send("exit")
+	c.Wait()
+	if err := r.Retire(ctx); err != nil {
+		t.Fatalf("Retire after it exited: %v", err)
+	}
+	shutdown(t, e)
+}
+
+// TestClosedWhileLeased: a consumer that says it closed an allocation it
+// holds leases in, unasked, is dropped; the memory is not freed while it
+// may still map it (the simulator would record a free-while-mapped).
+func TestClosedWhileLeased(t *testing.T) { lyingConsumer(t, "closed") }
+
+// TestReleaseNotHeld: releasing a sequence number never sent is a
+// protocol error, not a log line.
+func TestReleaseNotHeld(t *testing.T) { lyingConsumer(t, "bogus-release") }
+
+// TestConnectionHandedOff: a consumer hands its connection and its
+// mapping to another process and exits. Nothing the connection may map is
+// voided while it is open; and since the process that maps it now cannot
+// be watched, not when it closes either: the memory is never freed under
+// the holder, which still maps it after closing the connection.
+func TestConnectionHandedOff(t *testing.T) {
+	env := sharetest.Setup(t)
+	ctx := sharetest.Ctx(t)
+	// Memory the test owns, so that it can free it itself at the end.
+	p, err := env.Ctx.Alloc(4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := newExporter(t, env)
+	c := sharetest.Start(t, "rawconsumer", sharetest.EnvParam(sharetest.ParamPath, e.Addr()))
+	c.Expect("CONNECTED")
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	b, err := e.Register(p, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sharetest.Fill(env.Ctx, p, 4096, 7); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Offer(ctx, b, share.OfferOptions{Meta: sharetest.Meta(7)}); err != nil {
+		t.Fatal(err)
+	}
+	c.Expect("HELD 1")
+	c.Send("handoff")
+	pid, err := strconv.Atoi(c.Expect("HANDED "))
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Wait()
+	holder := func(sig syscall.Signal) {
+		if err := syscall.Kill(pid, sig); err != nil {
+			t.Fatal(err)
+		}
+	}
+	defer syscall.Kill(pid, syscall.SIGKILL) // if the test fails half-way
+	waitUntil(t, "the exporter to see the connection outlive its process", func() bool { return e.Stats().ConsumersUnwatched == 1 })
+	holder(syscall.SIGUSR1) // the holder closes the connection, still mapping
+	waitUntil(t, "the connection to end", func() bool { return e.Stats().ConsumersLost == 1 })
+	short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	if err := e.Retire(short, b); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Retire of memory a handed-off connection may map: %v, want to wait", err)
+	}
+	holder(syscall.SIGTERM)
+	waitUntil(t, "the holder to exit", func() bool { return syscall.Kill(pid, 0) != nil })
+	e.Close()
+	if err := env.Ctx.Free(p); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestShutdownTimeoutSaysGoodbye: when one consumer keeps Shutdown from
+// finishing, the others still get a goodbye (they are not told the
+// producer crashed), the stuck one is told why it is dropped, nothing is
+// freed under it, and the error names what blocks.
+func TestShutdownTimeoutSaysGoodbye(t *testing.T) {
+	env := sharetest.Setup(t)
+	ctx := sharetest.Ctx(t)
+	p, err := env.Ctx.Alloc(2 * 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := newExporterWith(t, env, share.ExporterConfig{LeaseTimeout: -1})
+	stuck := startConsumer(t, e, sharetest.EnvParam(sharetest.ParamHold, 1))
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	bs := make([]*share.Buffer, 2)
+	for i := range bs {
+		if bs[i], err = e.Register(p+driver.DevicePtr(0x1000*i), 4096); err != nil {
+			t.Fatal(err)
+		}
+		if err := sharetest.Fill(env.Ctx, bs[i].Ptr(), 4096, uint64(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := e.Offer(ctx, bs[0], share.OfferOptions{Meta: sharetest.Meta(0)}); err != nil {
+		t.Fatal(err)
+	}
+	stuck.Expect("HELD 1")
+	good := startConsumer(t, e)
+	if err := e.WaitConsumers(ctx, 2); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Offer(ctx, bs[1], share.OfferOptions{Meta: sharetest.Meta(1)}); err != nil {
+		t.Fatal(err)
+	}
+	sctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+	defer cancel()
+	err = e.Shutdown(sctx)
+	if !errors.Is(err, context.DeadlineExceeded) || !strings.Contains(err.Error(), "allocation") || !strings.Contains(err.Error(), "pid "+strconv.Itoa(stuck.PID())) {
+		t.Errorf("Shutdown blocked by a stuck consumer: %v; want the deadline, naming the consumer and the allocation", err)
+	}
+	var rep sharetest.ConsumerReport
+	good.Report(&rep)
+	good.Wait()
+	checkConsumer(t, &rep, 1)
+	stuck.Send("release")
+	var srep sharetest.ConsumerReport
+	stuck.Report(&srep)
+	stuck.Wait()
+	if srep.EOF || !strings.Contains(srep.Gone, "shut down before") {
+		t.Errorf("the stuck consumer was told %q (goodbye: %v), want why it was dropped", srep.Gone, srep.EOF)
+	}
+	if err := env.Ctx.Free(p); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestOfferRefusesReturnedRingBuffer: a ring buffer that went back to its
+// ring is not the producer's to offer; offering it again used to succeed,
+// and the ring then handed out a leased buffer to be rewritten.
+func TestOfferRefusesReturnedRingBuffer(t *testing.T) {
+	env := sharetest.Setup(t)
+	mem := env.FreeMemory(t)
+	defer env.CheckMemory(t, mem)
+	e := newExporter(t, env)
+	c := startConsumer(t, e)
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(1, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	offerRing(t, env, e, r, 0, 1)
+	b, err := r.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b.Free() // back to the ring, unoffered
+	if err := b.Wait(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Offer(ctx, b, share.OfferOptions{Meta: sharetest.Meta(0)}); !errors.Is(err, share.ErrNotHeld) {
+		t.Fatalf("Offer of a ring buffer back in its ring: %v, want ErrNotHeld", err)
+	}
+	if _, err := e.Broadcast(ctx, b, share.OfferOptions{}); !errors.Is(err, share.ErrNotHeld) {
+		t.Fatalf("Broadcast of a ring buffer back in its ring: %v, want ErrNotHeld", err)
+	}
+	b2, err := r.Acquire(ctx)
+	if err != nil || b2.Leases() != 0 {
+		t.Fatalf("Acquire: %v, %d leases", err, b2.Leases())
+	}
+	b2.Free()
+	shutdown(t, e)
+	var rep sharetest.ConsumerReport
+	c.Report(&rep)
+	c.Wait()
+	checkConsumer(t, &rep, 1)
+}
