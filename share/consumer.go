@@ -41,6 +41,7 @@ type consumer struct {
 	ended       bool                   // its connection has ended
 	handedOff   bool                   // its process exited with the connection open
 	kicked      bool                   // the exporter dropped it for cause
+	lagging     bool                   // it missed a broadcast, and has not had room since
 	dropped     bool                   // forgotten: nothing it held counts
 
 	done chan struct{} // closed when its connection has ended

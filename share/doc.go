@@ -88,8 +88,9 @@
 //     stays allocated until the producer exits. ExporterStats says so.
 //   - Offer picks the consumer holding the fewest leases among those with
 //     a credit (and below MaxLeasesPerConsumer), so a stalled consumer
-//     holds no more than its share. Broadcast never waits for a consumer
-//     that cannot take a buffer; that consumer misses it (see Broadcast).
+//     holds no more than its share. Broadcast gives a consumer that
+//     cannot take a buffer a short grace; then it misses buffers until it
+//     has room again, and the others go on (see Broadcast).
 //   - A consumer holding a lease longer than LeaseTimeout is dropped with
 //     an error that says why, and handled as above.
 //   - A closed that could be false (not the answer to a retire, or while

@@ -387,15 +387,17 @@ func (e *Exporter) Offer(ctx context.Context, b *Buffer, opts OfferOptions) erro
 	return err
 }
 
-// Broadcast lends b to every consumer that can take it now, and returns
-// how many it reached. It waits within ctx only while no consumer can:
-// a slow consumer never holds back the others. A consumer that cannot
-// take b misses it (Stats.BroadcastMissed counts each miss): one at its
-// cap (its credits, or MaxLeasesPerConsumer) and, while other consumers
-// are connected, one that holds half or more of b's ring (or of b's
-// arena's bytes) already, so that a stalled consumer never pins a whole
-// ring. A consumer that goes away meanwhile is skipped. The event, if
-// any, is recorded once.
+// Broadcast lends b to every consumer that keeps up, and returns how many
+// it reached. It waits within ctx while no consumer can take b at all. A
+// consumer that cannot take b now (at its credits or MaxLeasesPerConsumer,
+// or, while other consumers are connected, holding half or more of b's
+// ring, or of b's arena's bytes, so that it never pins a whole ring) is
+// given up to BroadcastGrace to make room; if it does not, it misses b and
+// is lagging: later broadcasts skip it without waiting until it has room
+// again. What it misses is not queued for later (Stats.BroadcastMissed
+// counts misses). So a stalled consumer costs the others one grace period,
+// and its backlog is bounded. A consumer that goes away meanwhile is
+// skipped. The event, if any, is recorded once.
 func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) (int, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err
@@ -432,25 +434,26 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 
 	record := true
 	n := 0
+	var deadline time.Time // of the grace, from the first wait
 	for _, c := range targets {
 		e.mu.Lock()
 		if err := e.lendableLocked(b); err != nil {
 			e.mu.Unlock()
 			return n, err
 		}
-		if !c.active {
+		take, err := e.roomLocked(ctx, c, b, &deadline)
+		if err != nil {
 			e.mu.Unlock()
-			continue
+			return n, err
 		}
-		if !e.takesLocked(c, b) {
-			e.stats.BroadcastMissed++
+		if !take {
 			e.mu.Unlock()
 			continue
 		}
 		seq, gen := e.reserveLocked(c, b)
 		ev := b.ev
 		e.mu.Unlock()
-		err := e.send(ctx, c, b, seq, gen, ev, &opts, record)
+		err = e.send(ctx, c, b, seq, gen, ev, &opts, record)
 		e.mu.Lock()
 		e.finishLocked(c, b, seq, err)
 		e.mu.Unlock()
@@ -468,6 +471,47 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 		}
 	}
 	return n, nil
+}
+
+// BroadcastGrace is how long Broadcast waits for a consumer that keeps up
+// to make room for a buffer before it misses it.
+const BroadcastGrace = time.Second
+
+// roomLocked waits, within ctx and the broadcast's grace, for c to be able
+// to take b, and reports whether it can; one that cannot misses b and is
+// lagging. The grace starts at the first wait of the broadcast. mu held.
+func (e *Exporter) roomLocked(ctx context.Context, c *consumer, b *Buffer, deadline *time.Time) (bool, error) {
+	for {
+		if err := e.offerableLocked(b); err != nil {
+			return false, err
+		}
+		switch {
+		case !c.active:
+			return false, nil
+		case e.takesLocked(c, b):
+			c.lagging = false
+			return true, nil
+		case c.lagging:
+			e.stats.BroadcastMissed++
+			return false, nil
+		}
+		if deadline.IsZero() {
+			*deadline = time.Now().Add(BroadcastGrace)
+		}
+		wctx, cancel := context.WithDeadline(ctx, *deadline)
+		err := e.waitLocked(wctx, &e.creditWait)
+		cancel()
+		switch {
+		case ctx.Err() != nil:
+			return false, ctx.Err()
+		case err != nil && !errors.Is(err, context.DeadlineExceeded):
+			return false, err
+		case err != nil:
+			c.lagging = true
+			e.log.Warn("share: a consumer lags behind the broadcast; it misses buffers until it has room again",
+				"peer", c.peer.String(), "leases", c.out)
+		}
+	}
 }
 
 // takesLocked reports whether c can take a broadcast of b now.
