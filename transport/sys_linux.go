@@ -97,3 +97,13 @@ func closeFDs(fds []int) {
 		unix.Close(fd)
 	}
 }
+
+// descriptorLimit returns the soft RLIMIT_NOFILE, or 0 if unknown. (The
+// Go runtime raises the soft limit to the hard one at start-up.)
+func descriptorLimit() int {
+	var rl unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &rl); err != nil || rl.Cur == unix.RLIM_INFINITY {
+		return 0
+	}
+	return int(min(rl.Cur, 1<<30))
+}
