@@ -104,11 +104,15 @@ type readOp struct {
 	errno   unix.Errno
 }
 
-// writeOp is one non-blocking write(2) made through the RawConn, built
-// once per Conn like readOp.
+// writeOp is one write(2), or sendmsg(2) with descriptors in oob, made
+// through the RawConn, built once per Conn like readOp. Without wait it
+// never waits: what does not fit is the writer's. With wait it waits for
+// room in the socket, within the write deadline.
 type writeOp struct {
 	fn    func(fd uintptr) bool
 	p     []byte
+	oob   []byte
+	wait  bool
 	n     int
 	errno unix.Errno
 }
@@ -159,12 +163,16 @@ func newConn(nc *net.UnixConn, cfg Config, cred *unix.Ucred) (*Conn, error) {
 	c.rd.oob = make([]byte, unix.CmsgSpace(MaxFDs*4))
 	c.wr.fn = func(fd uintptr) bool {
 		op := &c.wr
-		n, _, e := unix.Syscall(unix.SYS_WRITE, fd, uintptr(unsafe.Pointer(unsafe.SliceData(op.p))), uintptr(len(op.p)))
-		op.n, op.errno = int(n), e
-		if e != 0 {
+		if op.oob == nil {
+			n, _, e := unix.Syscall(unix.SYS_WRITE, fd, uintptr(unsafe.Pointer(unsafe.SliceData(op.p))), uintptr(len(op.p)))
+			op.n, op.errno = int(n), e
+		} else {
+			op.n, op.errno = sendmsg(int(fd), op.p, op.oob)
+		}
+		if op.errno != 0 {
 			op.n = 0
 		}
-		return true // never wait: what does not fit is the writer's
+		return !op.wait || op.errno != unix.EAGAIN
 	}
 	c.rd.fn = func(fd uintptr) bool {
 		op := &c.rd
@@ -714,7 +722,7 @@ func (c *Conn) writeNow() bool {
 	c.out = c.spare[:0]
 	c.mu.Unlock()
 	op := &c.wr
-	op.p, op.n, op.errno = buf, 0, 0
+	op.p, op.oob, op.wait, op.n, op.errno = buf, nil, false, 0, 0
 	err := c.rc.Write(op.fn)
 	op.p = nil
 	n := op.n
@@ -815,38 +823,72 @@ func (c *Conn) writeFailed(err error) {
 }
 
 // writeBatch writes buf, sending each set of descriptors with the first
-// byte of its frame, under one write deadline.
+// byte of its frame.
+//
+// The write timeout measures a peer that stops reading, and nothing else:
+// it is armed only once the socket is full, renewed whenever bytes leave,
+// and cleared at the end. A deadline left behind would fail a later write
+// on a healthy connection (RawConn.Write checks it before writing), and
+// one deadline for the whole batch would fail a peer that reads slowly but
+// steadily.
 func (c *Conn) writeBatch(buf []byte, fds []pendingFDs) error {
-	if err := c.nc.SetWriteDeadline(time.Now().Add(c.cfg.WriteTimeout)); err != nil {
-		return err
+	armed := false
+	err := c.writeFrames(buf, fds, &armed)
+	if armed {
+		if cerr := c.nc.SetWriteDeadline(time.Time{}); err == nil {
+			err = cerr
+		}
 	}
+	return err
+}
+
+func (c *Conn) writeFrames(buf []byte, fds []pendingFDs, armed *bool) error {
 	off := 0
 	for i, p := range fds {
-		if err := c.writeAll(buf[off:p.off]); err != nil {
+		if err := c.writeAll(buf[off:p.off], nil, armed); err != nil {
 			return err
 		}
 		end := len(buf)
 		if i+1 < len(fds) {
 			end = fds[i+1].off
 		}
-		n, _, err := c.nc.WriteMsgUnix(buf[p.off:end], unix.UnixRights(p.fds...), nil)
-		if err != nil {
-			return writeErr(err)
-		}
-		if err := c.writeAll(buf[p.off+n : end]); err != nil {
+		if err := c.writeAll(buf[p.off:end], unix.UnixRights(p.fds...), armed); err != nil {
 			return err
 		}
 		off = end
 	}
-	return c.writeAll(buf[off:])
+	return c.writeAll(buf[off:], nil, armed)
 }
 
-func (c *Conn) writeAll(b []byte) error {
-	if len(b) == 0 {
-		return nil
+// writeAll writes b, with the descriptors in oob (if any) attached to its
+// first byte, waiting while the socket is full; see writeBatch for the
+// deadline.
+func (c *Conn) writeAll(b, oob []byte, armed *bool) error {
+	op := &c.wr
+	for len(b) > 0 {
+		op.p, op.oob, op.wait, op.n, op.errno = b, oob, *armed, 0, 0
+		err := c.rc.Write(op.fn)
+		n, errno := op.n, op.errno
+		op.p, op.oob = nil, nil
+		switch {
+		case err != nil:
+			return writeErr(err)
+		case errno == unix.EAGAIN: // nothing fit
+		case errno != 0:
+			return writeErr(errno)
+		default:
+			b = b[n:]
+			oob = nil // the descriptors left with the first byte
+		}
+		if len(b) > 0 {
+			// The socket is full: the peer has this long to take more.
+			if err := c.nc.SetWriteDeadline(time.Now().Add(c.cfg.WriteTimeout)); err != nil {
+				return writeErr(err)
+			}
+			*armed = true
+		}
 	}
-	_, err := c.nc.Write(b)
-	return writeErr(err)
+	return nil
 }
 
 func writeErr(err error) error {
