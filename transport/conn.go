@@ -49,9 +49,15 @@ type Conn struct {
 
 	// Receive side: rmu serializes Recv, and the fields to watch belong
 	// to whoever holds it.
-	rmu         sync.Mutex
-	rbuf        []byte
-	r, w        int   // unread bytes are rbuf[r:w]
+	rmu     sync.Mutex
+	rbuf    []byte // starts small; grows when a frame or a stream needs it
+	rbufMax int
+	r, w    int // unread bytes are rbuf[r:w]
+	// frameStart is when Recv began to wait for the rest of a partial
+	// frame, and rdl the read deadline that sets (FrameTimeout later),
+	// zero when nothing is buffered: an idle connection never times out.
+	frameStart  time.Time
+	rdl         time.Time
 	fdq         []int // received descriptors no message has claimed yet
 	fdOut       [MaxFDs]int
 	dec         decoder
@@ -133,6 +139,12 @@ const (
 	// errorWriteTimeout bounds the write of an error message to a peer
 	// that is being dropped.
 	errorWriteTimeout = 100 * time.Millisecond
+	// A receive buffer starts at initialReadBuffer, enough for any
+	// handshake and for the usual messages, and grows to hold a larger
+	// frame, or up to maxReadBuffer(cfg) for a connection whose reads fill
+	// it: an idle connection costs little, a busy one reads many messages
+	// per system call.
+	initialReadBuffer = 4 << 10
 	minReadBuffer     = 64 << 10
 	// streamGap is the idle time after a write that tells a lone send,
 	// written at once by its sender, from one of a stream, left to the
@@ -150,14 +162,15 @@ func newConn(nc *net.UnixConn, cfg Config, cred *unix.Ucred) (*Conn, error) {
 		return nil, err
 	}
 	c := &Conn{
-		nc:    nc,
-		rc:    rc,
-		cfg:   cfg,
-		peer:  Peer{UID: cred.Uid, GID: cred.Gid, PID: cred.Pid},
-		rbuf:  make([]byte, max(minReadBuffer, 2*(headerSize+cfg.MaxFrameSize))),
-		fdq:   make([]int, 0, MaxFDs),
-		kick:  make(chan struct{}, 1),
-		dying: make(chan struct{}),
+		nc:      nc,
+		rc:      rc,
+		cfg:     cfg,
+		peer:    Peer{UID: cred.Uid, GID: cred.Gid, PID: cred.Pid},
+		rbuf:    make([]byte, initialReadBuffer),
+		rbufMax: max(minReadBuffer, 2*(headerSize+cfg.MaxFrameSize)),
+		fdq:     make([]int, 0, MaxFDs),
+		kick:    make(chan struct{}, 1),
+		dying:   make(chan struct{}),
 	}
 	c.desc = c.peer.String()
 	c.rd.oob = make([]byte, unix.CmsgSpace(MaxFDs*4))
@@ -250,6 +263,7 @@ func (c *Conn) readFrame(ctx context.Context) ([]byte, error) {
 			if avail >= need {
 				body := c.rbuf[c.r+headerSize : c.r+need : c.r+need]
 				c.r += need
+				c.frameStart = time.Time{}
 				return body, nil
 			}
 		} else if avail == 0 {
@@ -261,8 +275,12 @@ func (c *Conn) readFrame(ctx context.Context) ([]byte, error) {
 			}
 		}
 		if c.r+need > len(c.rbuf) {
-			c.w = copy(c.rbuf, c.rbuf[c.r:c.w])
-			c.r = 0
+			if need > len(c.rbuf) {
+				c.growRead(need)
+			} else {
+				c.w = copy(c.rbuf, c.rbuf[c.r:c.w])
+				c.r = 0
+			}
 		}
 		if err := c.fill(ctx, avail); err != nil {
 			return nil, err
@@ -270,9 +288,37 @@ func (c *Conn) readFrame(ctx context.Context) ([]byte, error) {
 	}
 }
 
+// growRead moves the unread bytes to a receive buffer of at least need
+// bytes, twice the size of the one before where that is more.
+func (c *Conn) growRead(need int) {
+	b := make([]byte, min(max(need, 2*len(c.rbuf)), max(need, c.rbufMax)))
+	c.w = copy(b, c.rbuf[c.r:c.w])
+	c.r = 0
+	c.rbuf = b
+}
+
 // fill reads what the socket has into rbuf[w:], waiting for at least a
 // byte; avail is the number of bytes of a partial frame buffered.
 func (c *Conn) fill(ctx context.Context, avail int) error {
+	if !c.handshaking {
+		// The rest of a partial frame must arrive within FrameTimeout;
+		// with nothing buffered, there is no deadline. This comes before
+		// the check of ctx below, so that it cannot undo the deadline in
+		// the past by which a context that ends interrupts the read.
+		var dl time.Time
+		if avail > 0 {
+			if c.frameStart.IsZero() {
+				c.frameStart = time.Now()
+			}
+			dl = c.frameStart.Add(c.cfg.FrameTimeout)
+		}
+		if dl != c.rdl {
+			if err := c.nc.SetReadDeadline(dl); err != nil {
+				return c.failure()
+			}
+			c.rdl = dl
+		}
+	}
 	if done := ctx.Done(); done != nil {
 		select {
 		case <-done:
@@ -296,8 +342,11 @@ func (c *Conn) fill(ctx context.Context, avail int) error {
 			if c.handshaking {
 				return fmt.Errorf("%w: no answer within %v", ErrHandshake, c.cfg.HandshakeTimeout)
 			}
+			if !c.rdl.IsZero() && !time.Now().Before(c.rdl) {
+				return fmt.Errorf("%w: a frame cut off after %d bytes for %v (FrameTimeout)", ErrTimeout, avail, c.cfg.FrameTimeout)
+			}
 			// A deadline left by a context no longer watched.
-			return c.nc.SetReadDeadline(time.Time{})
+			return c.nc.SetReadDeadline(c.rdl)
 		case errors.Is(err, net.ErrClosed):
 			return c.failure()
 		}
@@ -329,6 +378,11 @@ func (c *Conn) fill(ctx context.Context, avail int) error {
 		return fmt.Errorf("%w: connection closed without goodbye", ErrDisconnected)
 	}
 	c.w += op.n
+	if c.w == len(c.rbuf) && len(c.rbuf) < c.rbufMax {
+		// The read filled the buffer: more is probably waiting, so
+		// read more at a time from now on.
+		c.growRead(2 * len(c.rbuf))
+	}
 	return nil
 }
 
@@ -368,7 +422,7 @@ func (c *Conn) armRead(ctx context.Context, done <-chan struct{}) {
 	}
 	w.gen++
 	if w.fired {
-		c.nc.SetReadDeadline(time.Time{})
+		c.nc.SetReadDeadline(c.rdl) // the frame's, if any
 		w.fired = false
 	}
 	w.done = done

@@ -156,4 +156,3 @@ func TestWriteTimeoutStalledPeer(t *testing.T) {
 		}
 	}
 }
-
