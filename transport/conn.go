@@ -92,6 +92,9 @@ type Conn struct {
 	dying      chan struct{} // closed with the first failure
 	writerDone chan struct{}
 	closeOnce  sync.Once
+	// onClose, if set, runs once when the Conn is closed: the Listener
+	// counts the connection until then.
+	onClose func()
 }
 
 // pendingFDs are descriptors that leave with the queued frame at off.
@@ -1035,6 +1038,9 @@ func (c *Conn) Close() error {
 		c.watch.gen++
 		c.watch.mu.Unlock()
 		c.rmu.Unlock()
+		if c.onClose != nil {
+			c.onClose()
+		}
 	})
 	return nil
 }
