@@ -83,6 +83,10 @@ type Conn struct {
 	// writing is set while one goroutine owns the socket's write side:
 	// a sender writing directly, the writer goroutine, or fail.
 	writing bool
+	// cut is set while out starts in the middle of a frame that a short
+	// direct write left: an error message written then would land inside
+	// that frame.
+	cut bool
 	// lastWrite is when the last write ended: a send soon after it is
 	// part of a stream, and waits for the writer to batch it.
 	lastWrite time.Time
@@ -790,6 +794,11 @@ func (c *Conn) writeNow() bool {
 	c.writing = false
 	c.lastWrite = time.Now()
 	c.written += uint64(n)
+	if n == len(buf) {
+		c.cut = false
+	} else if n > 0 {
+		c.cut = true
+	}
 	if n < len(buf) && err == nil {
 		// The socket is full: the rest goes first, before anything
 		// queued meanwhile.
@@ -856,6 +865,7 @@ func (c *Conn) writeLoop() {
 			c.spare, c.spareFDs = buf[:0], fds[:0]
 			if err == nil {
 				c.written += uint64(len(buf))
+				c.cut = false
 			}
 			c.wakeLocked()
 			c.mu.Unlock()
@@ -969,7 +979,7 @@ func (c *Conn) fail(err error, notify bool) error {
 	first, err := c.setFailure(err)
 	if first && notify {
 		c.mu.Lock()
-		own := !c.writing
+		own := !c.writing && !c.cut
 		c.writing = true // for good: nothing else is written
 		c.mu.Unlock()
 		if own {
@@ -1010,6 +1020,24 @@ func (c *Conn) failure() error {
 		return fmt.Errorf("transport: %s: %w", c.desc, ErrClosed)
 	}
 	return c.err
+}
+
+// CloseWithError fails the connection with err and closes it, as Close
+// does: any blocked call returns, Recv with err or an error matching
+// ErrClosed, and so does every later call. The peer is sent one error
+// message whose code is that of err's sentinel (ErrTimeout, ErrLimit,
+// ErrCredit, ...; internal for others) and whose text is err's, on a
+// best-effort basis: with a short timeout, and only if no write is in
+// progress, whose bytes it would corrupt. It is for a layer above that
+// drops a peer for a reason of its own, such as a lease held too long.
+// If the connection had already failed or been closed, it only closes.
+// CloseWithError is idempotent, may be called from any goroutine, and
+// Close may be called after it; it always returns nil.
+func (c *Conn) CloseWithError(err error) error {
+	if err != nil {
+		c.fail(err, true)
+	}
+	return c.Close()
 }
 
 // Close closes the connection at once, dropping what is queued; any
