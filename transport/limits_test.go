@@ -159,3 +159,37 @@ func TestConnLimits(t *testing.T) {
 		t.Fatalf("dial past MaxConns: %v\nhelper: %s", err, h.out.String())
 	}
 }
+
+// TestConfigLimits proves the limits' defaults, that they stay within
+// half of RLIMIT_NOFILE, and that invalid ones are refused.
+func TestConfigLimits(t *testing.T) {
+	cfg, err := Config{Role: RoleProducer}.resolve()
+	if err != nil {
+		t.Fatal(err)
+	}
+	budget := descriptorLimit() / 2
+	if budget > 0 && cfg.MaxConns+cfg.MaxHandshakes > budget {
+		t.Errorf("default MaxConns %d and MaxHandshakes %d exceed half of RLIMIT_NOFILE (%d)", cfg.MaxConns, cfg.MaxHandshakes, 2*budget)
+	}
+	if budget >= 1024+256 && (cfg.MaxConns != 1024 || cfg.MaxHandshakes != 256) {
+		t.Errorf("defaults MaxConns %d, MaxHandshakes %d; want 1024 and 256", cfg.MaxConns, cfg.MaxHandshakes)
+	}
+	if cfg.MaxConnsPerPeer != 64 || cfg.MaxHandshakesPerPeer != 8 || cfg.FrameTimeout != 10*time.Second {
+		t.Errorf("defaults MaxConnsPerPeer %d, MaxHandshakesPerPeer %d, FrameTimeout %v", cfg.MaxConnsPerPeer, cfg.MaxHandshakesPerPeer, cfg.FrameTimeout)
+	}
+	bad := map[string]Config{
+		"negative MaxConns":             {Role: RoleProducer, MaxConns: -1},
+		"negative MaxConnsPerPeer":      {Role: RoleProducer, MaxConnsPerPeer: -1},
+		"negative MaxHandshakes":        {Role: RoleProducer, MaxHandshakes: -1},
+		"negative MaxHandshakesPerPeer": {Role: RoleProducer, MaxHandshakesPerPeer: -1},
+		"negative FrameTimeout":         {Role: RoleProducer, FrameTimeout: -1},
+	}
+	if budget > 0 {
+		bad["MaxConns past RLIMIT_NOFILE"] = Config{Role: RoleProducer, MaxConns: 2 * budget}
+	}
+	for name, cfg := range bad {
+		if _, err := cfg.resolve(); err == nil {
+			t.Errorf("%s: resolve accepted the config", name)
+		}
+	}
+}
