@@ -48,10 +48,16 @@ func TestFrameTimeout(t *testing.T) {
 		t.Fatalf("Recv on an idle connection: %v, want context.DeadlineExceeded", err)
 	}
 
-	// A frame in two pieces, well within the timeout.
+	// A frame in two pieces, the second well within the timeout of Recv
+	// starting to wait for it.
 	f := frame(mustMarshal([]any{KindRetire, 5}))
 	p.write(f[:3])
-	time.Sleep(ccfg.FrameTimeout / 4)
+	ctx, cancel = context.WithTimeout(context.Background(), ccfg.FrameTimeout/4)
+	err = cons.Recv(ctx, &m)
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Recv on the first piece of a frame: %v, want context.DeadlineExceeded", err)
+	}
 	p.write(f[3:])
 	if err := cons.Recv(testCtx(t), &m); err != nil || m.Kind != KindRetire || m.AllocID != 5 {
 		t.Fatalf("frame in two pieces: %v %d, %v", m.Kind, m.AllocID, err)
