@@ -1008,8 +1008,7 @@ func (c *Conn) setFailure(err error) (first bool, cause error) {
 // writeError writes an error message straight to the socket, briefly.
 // The caller owns the socket's write side.
 func (c *Conn) writeError(code uint32, text string) {
-	c.nc.SetWriteDeadline(time.Now().Add(errorWriteTimeout))
-	c.nc.Write(appendError(nil, code, text))
+	tell(c.nc, code, text)
 }
 
 // failure returns the connection's failure.
