@@ -34,12 +34,41 @@ type Config struct {
 	// MaxQueued caps the bytes waiting to be written; a send waits while
 	// it is reached. 0 means 1 MiB.
 	MaxQueued int
-	// WriteTimeout bounds one write to the socket: a peer that stops
-	// reading for this long fails the connection with ErrWriteTimeout.
-	// 0 means 10s.
+	// WriteTimeout bounds how long a write may wait on a full socket
+	// without any byte leaving: a peer that stops reading for this long
+	// fails the connection with ErrWriteTimeout. A peer that reads slowly
+	// but steadily renews it with every byte it takes, and an idle
+	// connection has none running. 0 means 10s.
 	WriteTimeout time.Duration
 	// HandshakeTimeout bounds the handshake. 0 means 5s.
 	HandshakeTimeout time.Duration
+	// FrameTimeout bounds how long the rest of a frame may take to arrive
+	// once its first byte has: a peer that holds half a frame for longer
+	// fails the connection with ErrTimeout. A connection with nothing
+	// buffered never times out: a consumer waiting for offers sends
+	// nothing. 0 means 10s.
+	FrameTimeout time.Duration
+	// MaxConns caps the handshaken connections a Listener holds at once,
+	// counted from the handshake until Conn.Close; one past it is sent an
+	// error matching ErrLimit and closed. 0 means 1024, or less where
+	// RLIMIT_NOFILE is low: connections and pending handshakes together
+	// may use at most half of it, so that accept never runs out of
+	// descriptors. A larger value is an error.
+	MaxConns int
+	// MaxConnsPerPeer caps a Listener's connections from one process (by
+	// its SO_PEERCRED pid), so that one process cannot take them all.
+	// 0 means 64.
+	MaxConnsPerPeer int
+	// MaxHandshakes caps the connections a Listener holds between
+	// accepting them and the end of their handshake. One past it evicts
+	// the oldest pending handshake rather than being refused, so that
+	// silent connections cannot lock out a peer that handshakes at once.
+	// 0 means 256, or less where RLIMIT_NOFILE is low (see MaxConns).
+	MaxHandshakes int
+	// MaxHandshakesPerPeer caps the pending handshakes from one process
+	// (by pid): one past it is sent an error matching ErrLimit and
+	// closed. 0 means 8.
+	MaxHandshakesPerPeer int
 	// Logger receives refusals and failed handshakes. Nil means
 	// slog.Default().
 	Logger *slog.Logger
@@ -55,7 +84,14 @@ func DefaultConfig(role Role) Config {
 		MaxQueued:        1 << 20,
 		WriteTimeout:     10 * time.Second,
 		HandshakeTimeout: 5 * time.Second,
-		Logger:           slog.Default(),
+		FrameTimeout:     10 * time.Second,
+		MaxConns:         1024,
+		MaxConnsPerPeer:  64,
+		MaxHandshakes:    256,
+		// A real peer completes its handshake in microseconds: a few per
+		// process cover one that dials many connections at once.
+		MaxHandshakesPerPeer: 8,
+		Logger:               slog.Default(),
 	}
 }
 
@@ -99,13 +135,53 @@ func (cfg Config) resolve() (Config, error) {
 	if cfg.HandshakeTimeout == 0 {
 		cfg.HandshakeTimeout = def.HandshakeTimeout
 	}
-	if cfg.WriteTimeout < 0 || cfg.HandshakeTimeout < 0 {
+	if cfg.FrameTimeout == 0 {
+		cfg.FrameTimeout = def.FrameTimeout
+	}
+	if cfg.WriteTimeout < 0 || cfg.HandshakeTimeout < 0 || cfg.FrameTimeout < 0 {
 		return cfg, fmt.Errorf("transport: invalid config: negative timeout")
+	}
+	if err := cfg.resolveLimits(&def); err != nil {
+		return cfg, err
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = def.Logger
 	}
 	return cfg, nil
+}
+
+// resolveLimits fills in and checks the connection limits. Connections
+// and pending handshakes may use at most half of RLIMIT_NOFILE: the rest
+// is for the process's other files, the descriptors that arrive with
+// offers, and the connections that accept hands over only to be refused.
+func (cfg *Config) resolveLimits(def *Config) error {
+	if cfg.MaxConns < 0 || cfg.MaxConnsPerPeer < 0 || cfg.MaxHandshakes < 0 || cfg.MaxHandshakesPerPeer < 0 {
+		return fmt.Errorf("transport: invalid config: negative limit")
+	}
+	budget := descriptorLimit() / 2
+	if cfg.MaxHandshakes == 0 {
+		cfg.MaxHandshakes = def.MaxHandshakes
+		if budget > 0 {
+			cfg.MaxHandshakes = max(1, min(cfg.MaxHandshakes, budget/4))
+		}
+	}
+	if cfg.MaxConns == 0 {
+		cfg.MaxConns = def.MaxConns
+		if budget > 0 {
+			cfg.MaxConns = max(1, min(cfg.MaxConns, budget-cfg.MaxHandshakes))
+		}
+	}
+	if budget > 0 && cfg.MaxConns+cfg.MaxHandshakes > budget {
+		return fmt.Errorf("transport: invalid config: MaxConns %d and MaxHandshakes %d need %d descriptors, more than half of RLIMIT_NOFILE (%d)",
+			cfg.MaxConns, cfg.MaxHandshakes, cfg.MaxConns+cfg.MaxHandshakes, 2*budget)
+	}
+	if cfg.MaxConnsPerPeer == 0 {
+		cfg.MaxConnsPerPeer = def.MaxConnsPerPeer
+	}
+	if cfg.MaxHandshakesPerPeer == 0 {
+		cfg.MaxHandshakesPerPeer = def.MaxHandshakesPerPeer
+	}
+	return nil
 }
 
 func (cfg *Config) caps() Caps {

@@ -49,9 +49,15 @@ type Conn struct {
 
 	// Receive side: rmu serializes Recv, and the fields to watch belong
 	// to whoever holds it.
-	rmu         sync.Mutex
-	rbuf        []byte
-	r, w        int   // unread bytes are rbuf[r:w]
+	rmu     sync.Mutex
+	rbuf    []byte // starts small; grows when a frame or a stream needs it
+	rbufMax int
+	r, w    int // unread bytes are rbuf[r:w]
+	// frameStart is when Recv began to wait for the rest of a partial
+	// frame, and rdl the read deadline that sets (FrameTimeout later),
+	// zero when nothing is buffered: an idle connection never times out.
+	frameStart  time.Time
+	rdl         time.Time
 	fdq         []int // received descriptors no message has claimed yet
 	fdOut       [MaxFDs]int
 	dec         decoder
@@ -77,6 +83,10 @@ type Conn struct {
 	// writing is set while one goroutine owns the socket's write side:
 	// a sender writing directly, the writer goroutine, or fail.
 	writing bool
+	// cut is set while out starts in the middle of a frame that a short
+	// direct write left: an error message written then would land inside
+	// that frame.
+	cut bool
 	// lastWrite is when the last write ended: a send soon after it is
 	// part of a stream, and waits for the writer to batch it.
 	lastWrite time.Time
@@ -86,6 +96,9 @@ type Conn struct {
 	dying      chan struct{} // closed with the first failure
 	writerDone chan struct{}
 	closeOnce  sync.Once
+	// onClose, if set, runs once when the Conn is closed: the Listener
+	// counts the connection until then.
+	onClose func()
 }
 
 // pendingFDs are descriptors that leave with the queued frame at off.
@@ -104,11 +117,15 @@ type readOp struct {
 	errno   unix.Errno
 }
 
-// writeOp is one non-blocking write(2) made through the RawConn, built
-// once per Conn like readOp.
+// writeOp is one write(2), or sendmsg(2) with descriptors in oob, made
+// through the RawConn, built once per Conn like readOp. Without wait it
+// never waits: what does not fit is the writer's. With wait it waits for
+// room in the socket, within the write deadline.
 type writeOp struct {
 	fn    func(fd uintptr) bool
 	p     []byte
+	oob   []byte
+	wait  bool
 	n     int
 	errno unix.Errno
 }
@@ -129,6 +146,12 @@ const (
 	// errorWriteTimeout bounds the write of an error message to a peer
 	// that is being dropped.
 	errorWriteTimeout = 100 * time.Millisecond
+	// A receive buffer starts at initialReadBuffer, enough for any
+	// handshake and for the usual messages, and grows to hold a larger
+	// frame, or up to maxReadBuffer(cfg) for a connection whose reads fill
+	// it: an idle connection costs little, a busy one reads many messages
+	// per system call.
+	initialReadBuffer = 4 << 10
 	minReadBuffer     = 64 << 10
 	// streamGap is the idle time after a write that tells a lone send,
 	// written at once by its sender, from one of a stream, left to the
@@ -146,25 +169,30 @@ func newConn(nc *net.UnixConn, cfg Config, cred *unix.Ucred) (*Conn, error) {
 		return nil, err
 	}
 	c := &Conn{
-		nc:    nc,
-		rc:    rc,
-		cfg:   cfg,
-		peer:  Peer{UID: cred.Uid, GID: cred.Gid, PID: cred.Pid},
-		rbuf:  make([]byte, max(minReadBuffer, 2*(headerSize+cfg.MaxFrameSize))),
-		fdq:   make([]int, 0, MaxFDs),
-		kick:  make(chan struct{}, 1),
-		dying: make(chan struct{}),
+		nc:      nc,
+		rc:      rc,
+		cfg:     cfg,
+		peer:    Peer{UID: cred.Uid, GID: cred.Gid, PID: cred.Pid},
+		rbuf:    make([]byte, initialReadBuffer),
+		rbufMax: max(minReadBuffer, 2*(headerSize+cfg.MaxFrameSize)),
+		fdq:     make([]int, 0, MaxFDs),
+		kick:    make(chan struct{}, 1),
+		dying:   make(chan struct{}),
 	}
 	c.desc = c.peer.String()
 	c.rd.oob = make([]byte, unix.CmsgSpace(MaxFDs*4))
 	c.wr.fn = func(fd uintptr) bool {
 		op := &c.wr
-		n, _, e := unix.Syscall(unix.SYS_WRITE, fd, uintptr(unsafe.Pointer(unsafe.SliceData(op.p))), uintptr(len(op.p)))
-		op.n, op.errno = int(n), e
-		if e != 0 {
+		if op.oob == nil {
+			n, _, e := unix.Syscall(unix.SYS_WRITE, fd, uintptr(unsafe.Pointer(unsafe.SliceData(op.p))), uintptr(len(op.p)))
+			op.n, op.errno = int(n), e
+		} else {
+			op.n, op.errno = sendmsg(int(fd), op.p, op.oob)
+		}
+		if op.errno != 0 {
 			op.n = 0
 		}
-		return true // never wait: what does not fit is the writer's
+		return !op.wait || op.errno != unix.EAGAIN
 	}
 	c.rd.fn = func(fd uintptr) bool {
 		op := &c.rd
@@ -242,6 +270,7 @@ func (c *Conn) readFrame(ctx context.Context) ([]byte, error) {
 			if avail >= need {
 				body := c.rbuf[c.r+headerSize : c.r+need : c.r+need]
 				c.r += need
+				c.frameStart = time.Time{}
 				return body, nil
 			}
 		} else if avail == 0 {
@@ -253,8 +282,12 @@ func (c *Conn) readFrame(ctx context.Context) ([]byte, error) {
 			}
 		}
 		if c.r+need > len(c.rbuf) {
-			c.w = copy(c.rbuf, c.rbuf[c.r:c.w])
-			c.r = 0
+			if need > len(c.rbuf) {
+				c.growRead(need)
+			} else {
+				c.w = copy(c.rbuf, c.rbuf[c.r:c.w])
+				c.r = 0
+			}
 		}
 		if err := c.fill(ctx, avail); err != nil {
 			return nil, err
@@ -262,9 +295,37 @@ func (c *Conn) readFrame(ctx context.Context) ([]byte, error) {
 	}
 }
 
+// growRead moves the unread bytes to a receive buffer of at least need
+// bytes, twice the size of the one before where that is more.
+func (c *Conn) growRead(need int) {
+	b := make([]byte, min(max(need, 2*len(c.rbuf)), max(need, c.rbufMax)))
+	c.w = copy(b, c.rbuf[c.r:c.w])
+	c.r = 0
+	c.rbuf = b
+}
+
 // fill reads what the socket has into rbuf[w:], waiting for at least a
 // byte; avail is the number of bytes of a partial frame buffered.
 func (c *Conn) fill(ctx context.Context, avail int) error {
+	if !c.handshaking {
+		// The rest of a partial frame must arrive within FrameTimeout;
+		// with nothing buffered, there is no deadline. This comes before
+		// the check of ctx below, so that it cannot undo the deadline in
+		// the past by which a context that ends interrupts the read.
+		var dl time.Time
+		if avail > 0 {
+			if c.frameStart.IsZero() {
+				c.frameStart = time.Now()
+			}
+			dl = c.frameStart.Add(c.cfg.FrameTimeout)
+		}
+		if dl != c.rdl {
+			if err := c.nc.SetReadDeadline(dl); err != nil {
+				return c.failure()
+			}
+			c.rdl = dl
+		}
+	}
 	if done := ctx.Done(); done != nil {
 		select {
 		case <-done:
@@ -288,8 +349,11 @@ func (c *Conn) fill(ctx context.Context, avail int) error {
 			if c.handshaking {
 				return fmt.Errorf("%w: no answer within %v", ErrHandshake, c.cfg.HandshakeTimeout)
 			}
+			if !c.rdl.IsZero() && !time.Now().Before(c.rdl) {
+				return fmt.Errorf("%w: a frame cut off after %d bytes for %v (FrameTimeout)", ErrTimeout, avail, c.cfg.FrameTimeout)
+			}
 			// A deadline left by a context no longer watched.
-			return c.nc.SetReadDeadline(time.Time{})
+			return c.nc.SetReadDeadline(c.rdl)
 		case errors.Is(err, net.ErrClosed):
 			return c.failure()
 		}
@@ -321,6 +385,11 @@ func (c *Conn) fill(ctx context.Context, avail int) error {
 		return fmt.Errorf("%w: connection closed without goodbye", ErrDisconnected)
 	}
 	c.w += op.n
+	if c.w == len(c.rbuf) && len(c.rbuf) < c.rbufMax {
+		// The read filled the buffer: more is probably waiting, so
+		// read more at a time from now on.
+		c.growRead(2 * len(c.rbuf))
+	}
 	return nil
 }
 
@@ -360,7 +429,7 @@ func (c *Conn) armRead(ctx context.Context, done <-chan struct{}) {
 	}
 	w.gen++
 	if w.fired {
-		c.nc.SetReadDeadline(time.Time{})
+		c.nc.SetReadDeadline(c.rdl) // the frame's, if any
 		w.fired = false
 	}
 	w.done = done
@@ -714,7 +783,7 @@ func (c *Conn) writeNow() bool {
 	c.out = c.spare[:0]
 	c.mu.Unlock()
 	op := &c.wr
-	op.p, op.n, op.errno = buf, 0, 0
+	op.p, op.oob, op.wait, op.n, op.errno = buf, nil, false, 0, 0
 	err := c.rc.Write(op.fn)
 	op.p = nil
 	n := op.n
@@ -725,6 +794,11 @@ func (c *Conn) writeNow() bool {
 	c.writing = false
 	c.lastWrite = time.Now()
 	c.written += uint64(n)
+	if n == len(buf) {
+		c.cut = false
+	} else if n > 0 {
+		c.cut = true
+	}
 	if n < len(buf) && err == nil {
 		// The socket is full: the rest goes first, before anything
 		// queued meanwhile.
@@ -791,6 +865,7 @@ func (c *Conn) writeLoop() {
 			c.spare, c.spareFDs = buf[:0], fds[:0]
 			if err == nil {
 				c.written += uint64(len(buf))
+				c.cut = false
 			}
 			c.wakeLocked()
 			c.mu.Unlock()
@@ -815,38 +890,72 @@ func (c *Conn) writeFailed(err error) {
 }
 
 // writeBatch writes buf, sending each set of descriptors with the first
-// byte of its frame, under one write deadline.
+// byte of its frame.
+//
+// The write timeout measures a peer that stops reading, and nothing else:
+// it is armed only once the socket is full, renewed whenever bytes leave,
+// and cleared at the end. A deadline left behind would fail a later write
+// on a healthy connection (RawConn.Write checks it before writing), and
+// one deadline for the whole batch would fail a peer that reads slowly but
+// steadily.
 func (c *Conn) writeBatch(buf []byte, fds []pendingFDs) error {
-	if err := c.nc.SetWriteDeadline(time.Now().Add(c.cfg.WriteTimeout)); err != nil {
-		return err
+	armed := false
+	err := c.writeFrames(buf, fds, &armed)
+	if armed {
+		if cerr := c.nc.SetWriteDeadline(time.Time{}); err == nil {
+			err = cerr
+		}
 	}
+	return err
+}
+
+func (c *Conn) writeFrames(buf []byte, fds []pendingFDs, armed *bool) error {
 	off := 0
 	for i, p := range fds {
-		if err := c.writeAll(buf[off:p.off]); err != nil {
+		if err := c.writeAll(buf[off:p.off], nil, armed); err != nil {
 			return err
 		}
 		end := len(buf)
 		if i+1 < len(fds) {
 			end = fds[i+1].off
 		}
-		n, _, err := c.nc.WriteMsgUnix(buf[p.off:end], unix.UnixRights(p.fds...), nil)
-		if err != nil {
-			return writeErr(err)
-		}
-		if err := c.writeAll(buf[p.off+n : end]); err != nil {
+		if err := c.writeAll(buf[p.off:end], unix.UnixRights(p.fds...), armed); err != nil {
 			return err
 		}
 		off = end
 	}
-	return c.writeAll(buf[off:])
+	return c.writeAll(buf[off:], nil, armed)
 }
 
-func (c *Conn) writeAll(b []byte) error {
-	if len(b) == 0 {
-		return nil
+// writeAll writes b, with the descriptors in oob (if any) attached to its
+// first byte, waiting while the socket is full; see writeBatch for the
+// deadline.
+func (c *Conn) writeAll(b, oob []byte, armed *bool) error {
+	op := &c.wr
+	for len(b) > 0 {
+		op.p, op.oob, op.wait, op.n, op.errno = b, oob, *armed, 0, 0
+		err := c.rc.Write(op.fn)
+		n, errno := op.n, op.errno
+		op.p, op.oob = nil, nil
+		switch {
+		case err != nil:
+			return writeErr(err)
+		case errno == unix.EAGAIN: // nothing fit
+		case errno != 0:
+			return writeErr(errno)
+		default:
+			b = b[n:]
+			oob = nil // the descriptors left with the first byte
+		}
+		if len(b) > 0 {
+			// The socket is full: the peer has this long to take more.
+			if err := c.nc.SetWriteDeadline(time.Now().Add(c.cfg.WriteTimeout)); err != nil {
+				return writeErr(err)
+			}
+			*armed = true
+		}
 	}
-	_, err := c.nc.Write(b)
-	return writeErr(err)
+	return nil
 }
 
 func writeErr(err error) error {
@@ -870,7 +979,7 @@ func (c *Conn) fail(err error, notify bool) error {
 	first, err := c.setFailure(err)
 	if first && notify {
 		c.mu.Lock()
-		own := !c.writing
+		own := !c.writing && !c.cut
 		c.writing = true // for good: nothing else is written
 		c.mu.Unlock()
 		if own {
@@ -899,8 +1008,7 @@ func (c *Conn) setFailure(err error) (first bool, cause error) {
 // writeError writes an error message straight to the socket, briefly.
 // The caller owns the socket's write side.
 func (c *Conn) writeError(code uint32, text string) {
-	c.nc.SetWriteDeadline(time.Now().Add(errorWriteTimeout))
-	c.nc.Write(appendError(nil, code, text))
+	tell(c.nc, code, text)
 }
 
 // failure returns the connection's failure.
@@ -911,6 +1019,24 @@ func (c *Conn) failure() error {
 		return fmt.Errorf("transport: %s: %w", c.desc, ErrClosed)
 	}
 	return c.err
+}
+
+// CloseWithError fails the connection with err and closes it, as Close
+// does: any blocked call returns, Recv with err or an error matching
+// ErrClosed, and so does every later call. The peer is sent one error
+// message whose code is that of err's sentinel (ErrTimeout, ErrLimit,
+// ErrCredit, ...; internal for others) and whose text is err's, on a
+// best-effort basis: with a short timeout, and only if no write is in
+// progress, whose bytes it would corrupt. It is for a layer above that
+// drops a peer for a reason of its own, such as a lease held too long.
+// If the connection had already failed or been closed, it only closes.
+// CloseWithError is idempotent, may be called from any goroutine, and
+// Close may be called after it; it always returns nil.
+func (c *Conn) CloseWithError(err error) error {
+	if err != nil {
+		c.fail(err, true)
+	}
+	return c.Close()
 }
 
 // Close closes the connection at once, dropping what is queued; any
@@ -939,6 +1065,9 @@ func (c *Conn) Close() error {
 		c.watch.gen++
 		c.watch.mu.Unlock()
 		c.rmu.Unlock()
+		if c.onClose != nil {
+			c.onClose()
+		}
 	})
 	return nil
 }

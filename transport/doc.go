@@ -14,14 +14,19 @@
 //
 // Everything received is checked before use. A frame's length is checked
 // against Config.MaxFrameSize before the frame is read; frames are read
-// into one buffer allocated with the Conn; messages are decoded by a
-// bounded msgpack reader for the fixed schema that checks every declared
-// length against the bytes present and limits nesting. Messages out of
-// order or in the wrong direction, offers beyond the granted credits, and
-// descriptors nobody asked for are protocol errors: the connection fails
-// with an error matching one of the Err sentinels, and received
-// descriptors are closed. Writes have a deadline, so a peer that stops
-// reading cannot hold a sender forever.
+// into one buffer per Conn, small until a frame or a stream needs more;
+// messages are decoded by a bounded msgpack reader for the fixed schema
+// that checks every declared length against the bytes present and limits
+// nesting. Messages out of order or in the wrong direction, offers beyond
+// the granted credits, and descriptors nobody asked for are protocol
+// errors: the connection fails with an error matching one of the Err
+// sentinels, and received descriptors are closed.
+//
+// Nothing a peer does holds resources for long: a write waiting on a peer
+// that stopped reading fails after Config.WriteTimeout, half a frame held
+// past Config.FrameTimeout fails the connection, and a Listener bounds
+// pending handshakes and connections per peer process and in all (see
+// Listener).
 //
 // # Speed
 //

@@ -43,6 +43,13 @@ var (
 	// ErrUnsafePath: the socket's directory or file is not private to
 	// this user.
 	ErrUnsafePath = errors.New("transport: unsafe socket path")
+	// ErrTimeout: a peer held something past a deadline, such as half a
+	// frame past Config.FrameTimeout, or a lease past the producer's
+	// lease deadline.
+	ErrTimeout = errors.New("transport: timeout")
+	// ErrLimit: a peer exceeded a limit, such as too many connections or
+	// pending handshakes from one process.
+	ErrLimit = errors.New("transport: limit exceeded")
 )
 
 // Error codes of the error message (PROTOCOL.md, "Error codes").
@@ -58,6 +65,8 @@ const (
 	codeHandshake      = 8
 	codeNotSupported   = 9
 	codeInternal       = 10
+	codeTimeout        = 11
+	codeLimit          = 12
 )
 
 var codeSentinels = [...]error{
@@ -71,6 +80,8 @@ var codeSentinels = [...]error{
 	codeHandshake:      ErrHandshake,
 	codeNotSupported:   ErrNotSupported,
 	codeInternal:       nil,
+	codeTimeout:        ErrTimeout,
+	codeLimit:          ErrLimit,
 }
 
 // codeOf maps a local failure to the code that tells the peer about it.

@@ -19,10 +19,6 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// maxPendingHandshakes bounds the connections a Listener holds between
-// accepting them and handing them to Accept.
-const maxPendingHandshakes = 32
-
 // Listener accepts connections on a Unix-domain socket.
 //
 // It accepts in a goroutine of its own: each connection's credentials are
@@ -30,6 +26,13 @@ const maxPendingHandshakes = 32
 // closed), then its handshake runs in a goroutine bounded by
 // Config.HandshakeTimeout, so that a slow or silent peer holds up no one.
 // Accept returns connections whose handshake succeeded.
+//
+// It bounds what peers can make it hold, by process (the SO_PEERCRED pid)
+// and in all: pending handshakes (Config.MaxHandshakesPerPeer, and
+// MaxHandshakes, past which the oldest is evicted so that silent
+// connections cannot lock anyone out), and connections from the handshake
+// until Conn.Close (MaxConnsPerPeer, MaxConns). A connection past a limit
+// is sent an error matching ErrLimit that names the limit, and closed.
 type Listener struct {
 	cfg    Config
 	ln     *net.UnixListener
@@ -37,9 +40,21 @@ type Listener struct {
 	conns  chan *Conn
 	ctx    context.Context // ends with Close
 	cancel context.CancelFunc
-	sem    chan struct{}
 	wg     sync.WaitGroup
 	once   sync.Once
+
+	mu         sync.Mutex
+	pending    []*pendingHandshake // oldest first
+	pendingPer map[int32]int
+	open       int // connections from their handshake until Conn.Close
+	openPer    map[int32]int
+}
+
+// pendingHandshake is a connection accepted and not yet handshaken.
+type pendingHandshake struct {
+	pid     int32
+	cancel  context.CancelCauseFunc // evicts it, with the cause to tell
+	evicted bool                    // l.mu
 }
 
 // Listen listens on the Unix socket at path.
@@ -74,7 +89,9 @@ func Listen(ctx context.Context, path string, cfg Config) (*Listener, error) {
 		ln:    ln,
 		path:  path,
 		conns: make(chan *Conn),
-		sem:   make(chan struct{}, maxPendingHandshakes),
+
+		pendingPer: make(map[int32]int),
+		openPer:    make(map[int32]int),
 	}
 	l.ctx, l.cancel = context.WithCancel(context.Background())
 	l.wg.Add(1)
@@ -190,31 +207,58 @@ func (l *Listener) acceptLoop() {
 	}
 }
 
-// admit checks a new connection's credentials and starts its handshake.
+// admit checks a new connection's credentials and the limits, and starts
+// its handshake.
 func (l *Listener) admit(nc *net.UnixConn) {
 	cred, err := checkPeer(nc, &l.cfg, "listener "+l.path)
 	if err != nil {
 		nc.Close()
 		return
 	}
-	select {
-	case l.sem <- struct{}{}:
-	default:
-		l.cfg.Logger.Warn("transport: too many pending connections, dropping one",
-			"path", l.path, "uid", cred.Uid, "pid", cred.Pid, "limit", maxPendingHandshakes)
-		nc.Close()
+	l.mu.Lock()
+	err = l.checkOpenLocked(cred.Pid)
+	if err == nil && l.pendingPer[cred.Pid] >= l.cfg.MaxHandshakesPerPeer {
+		err = fmt.Errorf("%w: pid %d has %d handshakes pending at listener %s: limit MaxHandshakesPerPeer=%d",
+			ErrLimit, cred.Pid, l.pendingPer[cred.Pid], l.path, l.cfg.MaxHandshakesPerPeer)
+	}
+	if err != nil {
+		l.mu.Unlock()
+		refuse(nc, &l.cfg, cred, err)
 		return
+	}
+	var evict *pendingHandshake
+	if len(l.pending) >= l.cfg.MaxHandshakes {
+		// Evict the oldest rather than refuse the newest: a peer that
+		// handshakes at once then always gets in, however many silent
+		// connections strangers keep open.
+		evict = l.pending[0]
+		l.removePendingLocked(evict)
+		evict.evicted = true
+	}
+	ctx, cancel := context.WithCancelCause(l.ctx)
+	hs := &pendingHandshake{pid: cred.Pid, cancel: cancel}
+	l.pending = append(l.pending, hs)
+	l.pendingPer[hs.pid]++
+	l.mu.Unlock()
+	if evict != nil {
+		l.cfg.Logger.Warn("transport: too many pending handshakes, evicting the oldest",
+			"path", l.path, "pid", evict.pid, "limit", l.cfg.MaxHandshakes)
+		evict.cancel(fmt.Errorf("%w: %d handshakes pending at listener %s, the oldest is dropped: limit MaxHandshakes=%d",
+			ErrLimit, l.cfg.MaxHandshakes, l.path, l.cfg.MaxHandshakes))
 	}
 	l.wg.Add(1)
 	go func() {
 		defer l.wg.Done()
-		defer func() { <-l.sem }()
+		defer cancel(nil)
 		c, err := newConn(nc, l.cfg, cred)
 		if err != nil {
+			l.donePending(hs)
 			nc.Close()
 			return
 		}
-		if err := c.handshake(l.ctx, false); err != nil {
+		err = c.handshake(ctx, false, func(c *Conn) error { return l.reserve(hs, c) })
+		l.donePending(hs)
+		if err != nil {
 			c.Close()
 			if l.ctx.Err() == nil {
 				l.cfg.Logger.Warn("transport: handshake failed", "path", l.path, "err", err)
@@ -227,6 +271,82 @@ func (l *Listener) admit(nc *net.UnixConn) {
 			c.Close()
 		}
 	}()
+}
+
+// checkOpenLocked returns an error matching ErrLimit if pid may not open
+// another connection.
+func (l *Listener) checkOpenLocked(pid int32) error {
+	if n := l.openPer[pid]; n >= l.cfg.MaxConnsPerPeer {
+		return fmt.Errorf("%w: pid %d has %d connections to listener %s: limit MaxConnsPerPeer=%d",
+			ErrLimit, pid, n, l.path, l.cfg.MaxConnsPerPeer)
+	}
+	if l.open >= l.cfg.MaxConns {
+		return fmt.Errorf("%w: listener %s has %d connections: limit MaxConns=%d",
+			ErrLimit, l.path, l.open, l.cfg.MaxConns)
+	}
+	return nil
+}
+
+// reserve counts c, whose peer's hello has arrived, against the
+// connection limits before it is answered, until c is closed; or returns
+// why not.
+func (l *Listener) reserve(hs *pendingHandshake, c *Conn) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if hs.evicted {
+		return fmt.Errorf("%w: evicted from the pending handshakes of listener %s: limit MaxHandshakes=%d",
+			ErrLimit, l.path, l.cfg.MaxHandshakes)
+	}
+	l.removePendingLocked(hs)
+	if err := l.checkOpenLocked(hs.pid); err != nil {
+		return err
+	}
+	l.open++
+	l.openPer[hs.pid]++
+	pid := hs.pid
+	c.onClose = func() {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		l.open--
+		if l.openPer[pid]--; l.openPer[pid] == 0 {
+			delete(l.openPer, pid)
+		}
+	}
+	return nil
+}
+
+// donePending forgets hs, if it is still pending.
+func (l *Listener) donePending(hs *pendingHandshake) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.removePendingLocked(hs)
+}
+
+func (l *Listener) removePendingLocked(hs *pendingHandshake) {
+	i := slices.Index(l.pending, hs)
+	if i < 0 {
+		return
+	}
+	l.pending = slices.Delete(l.pending, i, i+1)
+	if l.pendingPer[hs.pid]--; l.pendingPer[hs.pid] == 0 {
+		delete(l.pendingPer, hs.pid)
+	}
+}
+
+// refuse logs the refusal of a new connection for err, tells the peer and
+// closes the connection.
+func refuse(nc *net.UnixConn, cfg *Config, cred *unix.Ucred, err error) {
+	cfg.Logger.Warn("transport: refused connection", "uid", cred.Uid, "pid", cred.Pid, "err", err)
+	tell(nc, codeOf(err), err.Error())
+	nc.Close()
+}
+
+// tell sends an error message to a peer about to be dropped, on a
+// best-effort basis: a new connection's socket has room for it, and one
+// that does not read gets errorWriteTimeout at most.
+func tell(nc *net.UnixConn, code uint32, text string) {
+	nc.SetWriteDeadline(time.Now().Add(errorWriteTimeout))
+	nc.Write(appendError(nil, code, text))
 }
 
 // checkPeer reads the peer's credentials and refuses a peer whose user is
@@ -244,8 +364,7 @@ func checkPeer(nc *net.UnixConn, cfg *Config, where string) (*unix.Ucred, error)
 	cfg.Logger.Warn("transport: refused peer", "at", where,
 		"uid", cred.Uid, "gid", cred.Gid, "pid", cred.Pid, "allowed_uids", cfg.AllowedUIDs)
 	text := fmt.Sprintf("uid %d is not allowed by %s", cred.Uid, where)
-	nc.SetWriteDeadline(time.Now().Add(errorWriteTimeout))
-	nc.Write(appendError(nil, codePeerRefused, text))
+	tell(nc, codePeerRefused, text)
 	return nil, fmt.Errorf("%w: pid %d uid %d: %s", ErrPeerRefused, cred.Pid, cred.Uid, text)
 }
 
@@ -272,7 +391,7 @@ func Dial(ctx context.Context, path string, cfg Config) (*Conn, error) {
 		uc.Close()
 		return nil, fmt.Errorf("transport: dial %s: %w", path, err)
 	}
-	if err := c.handshake(ctx, true); err != nil {
+	if err := c.handshake(ctx, true, nil); err != nil {
 		c.Close()
 		return nil, fmt.Errorf("transport: dial %s: %w", path, err)
 	}
@@ -280,8 +399,10 @@ func Dial(ctx context.Context, path string, cfg Config) (*Conn, error) {
 }
 
 // handshake exchanges hello and hello-ack, then starts the writer. The
-// dialer speaks first. Until it returns, the Conn is not shared.
-func (c *Conn) handshake(ctx context.Context, dialer bool) (err error) {
+// dialer speaks first. A listener calls admit, if not nil, once the hello
+// has passed and before it answers: an error from it is the peer's
+// answer. Until handshake returns, the Conn is not shared.
+func (c *Conn) handshake(ctx context.Context, dialer bool, admit func(*Conn) error) (err error) {
 	// The timeout is a deadline; ctx interrupts through an AfterFunc,
 	// which runs once ctx.Err is set, so that the two read apart.
 	c.nc.SetDeadline(time.Now().Add(c.cfg.HandshakeTimeout))
@@ -316,6 +437,10 @@ func (c *Conn) handshake(ctx context.Context, dialer bool) (err error) {
 		if werr != nil && errors.Is(err, ErrDisconnected) {
 			err = fmt.Errorf("%w: %w", ErrDisconnected, werr)
 		}
+		if !dialer && ctx.Err() != nil {
+			// The listener's reason, such as an eviction, for the peer.
+			err = context.Cause(ctx)
+		}
 		return c.handshakeFailed(err, !dialer)
 	}
 	if theirs.role == c.cfg.Role {
@@ -330,6 +455,11 @@ func (c *Conn) handshake(ctx context.Context, dialer bool) (err error) {
 		c.window = theirs.credits
 	} else {
 		c.window = uint64(c.cfg.Credits)
+	}
+	if admit != nil {
+		if err := admit(c); err != nil {
+			return c.handshakeFailed(err, true)
+		}
 	}
 	if !dialer {
 		if _, err := c.nc.Write(appendHello(nil, &mine)); err != nil {

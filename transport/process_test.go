@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -28,6 +29,8 @@ const (
 	helperEnv     = "CUDASHARE_TRANSPORT_HELPER"
 	helperPath    = "CUDASHARE_TRANSPORT_PATH"
 	helperCredits = "CUDASHARE_TRANSPORT_CREDITS"
+	// helperConns is how many connections a "silent" helper opens.
+	helperConns = "CUDASHARE_TRANSPORT_CONNS"
 	// helperWatchdog ends a helper that outlives any reasonable test.
 	helperWatchdog = 2 * time.Minute
 )
@@ -69,6 +72,32 @@ func runHelper(mode, path string) error {
 			return fmt.Errorf("dial error does not match ErrPeerRefused")
 		}
 		return nil
+	case "limited":
+		c, err := Dial(ctx, path, cfg)
+		if err == nil {
+			c.Close()
+			return errors.New("dial succeeded; want a refusal for a limit")
+		}
+		fmt.Println("dial error:", err)
+		var remote *RemoteError
+		if !errors.Is(err, ErrLimit) || !errors.As(err, &remote) {
+			return fmt.Errorf("dial error is not an ErrLimit from the listener")
+		}
+		return nil
+	case "silent":
+		// Connections that never say hello, held until the helper is
+		// killed.
+		n, _ := strconv.Atoi(os.Getenv(helperConns))
+		conns := make([]net.Conn, 0, n)
+		for range n {
+			c, err := net.Dial("unix", path)
+			if err != nil {
+				return err
+			}
+			conns = append(conns, c)
+		}
+		fmt.Println("ready")
+		select {}
 	case "bare":
 		return bareEcho(path)
 	case "consumer", "checking-consumer", "hold":
@@ -158,6 +187,17 @@ func startHelper(t testing.TB, mode, path string, env []string, cred *syscall.Cr
 		h.wait()
 	})
 	return h
+}
+
+// waitOutput waits for want to appear in the helper's output.
+func (h *helper) waitOutput(t testing.TB, want string) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(h.out.String(), want); {
+		if time.Now().After(deadline) {
+			t.Fatalf("helper did not print %q:\n%s", want, h.out.String())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
 }
 
 func (h *helper) wait() error {

@@ -97,3 +97,28 @@ func closeFDs(fds []int) {
 		unix.Close(fd)
 	}
 }
+
+// descriptorLimit returns the soft RLIMIT_NOFILE, or 0 if unknown. (The
+// Go runtime raises the soft limit to the hard one at start-up.)
+func descriptorLimit() int {
+	var rl unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &rl); err != nil || rl.Cur == unix.RLIM_INFINITY {
+		return 0
+	}
+	return int(min(rl.Cur, 1<<30))
+}
+
+// sendmsg writes p with the control message oob (descriptors), with no
+// address and without SIGPIPE.
+func sendmsg(fd int, p, oob []byte) (n int, errno unix.Errno) {
+	var iov unix.Iovec
+	iov.Base = unsafe.SliceData(p)
+	iov.SetLen(len(p))
+	var msg unix.Msghdr
+	msg.Iov = &iov
+	msg.SetIovlen(1)
+	msg.Control = unsafe.SliceData(oob)
+	msg.SetControllen(len(oob))
+	r, _, e := unix.Syscall(unix.SYS_SENDMSG, uintptr(fd), uintptr(unsafe.Pointer(&msg)), unix.MSG_NOSIGNAL)
+	return int(r), e
+}

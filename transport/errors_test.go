@@ -1,0 +1,95 @@
+//go:build linux
+
+package transport
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"testing"
+)
+
+// TestNewErrorCodes proves the timeout and limit codes map both ways: a
+// local failure is sent with its code, and a received one matches the
+// sentinel.
+func TestNewErrorCodes(t *testing.T) {
+	for code, sentinel := range map[uint32]error{codeTimeout: ErrTimeout, codeLimit: ErrLimit} {
+		if got := codeOf(fmt.Errorf("wrapped: %w", sentinel)); got != code {
+			t.Errorf("codeOf(%v) = %d, want %d", sentinel, got, code)
+		}
+		e := &RemoteError{Code: code, Message: "m", Peer: "p"}
+		if !errors.Is(e, sentinel) || !errors.Is(e, ErrRemote) || errors.Is(e, ErrMalformed) {
+			t.Errorf("RemoteError with code %d does not match %v alone", code, sentinel)
+		}
+	}
+}
+
+// TestCloseWithError proves CloseWithError sends the peer one error
+// message with the code of err's sentinel and err's text, ends a Recv
+// blocked in another goroutine, and leaves Close and itself callable.
+func TestCloseWithError(t *testing.T) {
+	checkNoFDLeak(t)
+	cases := []struct {
+		err  error
+		code uint32
+	}{
+		{fmt.Errorf("%w: lease 7 held past the lease deadline of 2s", ErrTimeout), codeTimeout},
+		{fmt.Errorf("%w: 9 consumers, limit 8", ErrLimit), codeLimit},
+		{errors.New("shutting down the device"), codeInternal},
+	}
+	for _, tc := range cases {
+		prod, cons := pair(t, testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil))
+		ctx := testCtx(t)
+		var wg sync.WaitGroup
+		wg.Add(1)
+		var recvErr error
+		go func() {
+			defer wg.Done()
+			var m Message
+			recvErr = prod.Recv(ctx, &m) // blocked: the consumer sends nothing
+		}()
+		if err := prod.CloseWithError(tc.err); err != nil {
+			t.Fatalf("CloseWithError: %v", err)
+		}
+		wg.Wait()
+		if recvErr != tc.err && !errors.Is(recvErr, ErrClosed) {
+			t.Errorf("Recv blocked during CloseWithError(%v): %v, want that error or ErrClosed", tc.err, recvErr)
+		}
+		prod.CloseWithError(errors.New("again"))
+		prod.Close()
+		if err := prod.SendRetire(ctx, 1); err == nil {
+			t.Errorf("send after CloseWithError succeeded")
+		}
+		var m Message
+		err := cons.Recv(ctx, &m)
+		var remote *RemoteError
+		if !errors.As(err, &remote) || remote.Code != tc.code || remote.Message != tc.err.Error() {
+			t.Fatalf("peer of CloseWithError(%v): %v, want a RemoteError with code %d and its text", tc.err, err, tc.code)
+		}
+		if err := cons.Recv(ctx, &m); !errors.As(err, &remote) {
+			t.Fatalf("Recv after the error message: %v, want the same error", err)
+		}
+	}
+}
+
+// TestRefusalSides proves that a dialer can tell the listener refusing it
+// (a RemoteError) from itself refusing the listener (not one), though both
+// match ErrPeerRefused.
+func TestRefusalSides(t *testing.T) {
+	cfg := testConfig(RoleProducer, nil)
+	cfg.AllowedUIDs = []uint32{uint32(os.Getuid()) + 4242}
+	l := listen(t, cfg)
+	var remote *RemoteError
+	_, err := Dial(testCtx(t), l.Addr(), testConfig(RoleConsumer, nil))
+	if !errors.Is(err, ErrPeerRefused) || !errors.As(err, &remote) || remote.Code != codePeerRefused {
+		t.Fatalf("Dial refused by the listener: %v, want a RemoteError matching ErrPeerRefused", err)
+	}
+	l2 := listen(t, testConfig(RoleProducer, nil))
+	ccfg := testConfig(RoleConsumer, nil)
+	ccfg.AllowedUIDs = []uint32{uint32(os.Getuid()) + 4242}
+	_, err = Dial(testCtx(t), l2.Addr(), ccfg)
+	if !errors.Is(err, ErrPeerRefused) || errors.As(err, &remote) || errors.Is(err, ErrRemote) {
+		t.Fatalf("Dial refusing the listener: %v, want ErrPeerRefused and no RemoteError", err)
+	}
+}

@@ -1,0 +1,195 @@
+//go:build linux
+
+package transport
+
+import (
+	"errors"
+	"net"
+	"strings"
+	"testing"
+	"time"
+)
+
+// readLimitError reads the error message a refused connection gets and
+// checks its code and that its text names want.
+func readLimitError(t *testing.T, c net.Conn, want string) {
+	t.Helper()
+	p := &rawPeer{t: t, c: c.(*net.UnixConn)}
+	m, err := p.recv()
+	if err != nil {
+		t.Fatalf("refused connection: read %v, want an error message", err)
+	}
+	if len(m) < 3 || m[0] != uint64(KindError) || m[1] != uint64(codeLimit) {
+		t.Fatalf("refused connection got %v, want an error message with code %d", m, codeLimit)
+	}
+	if text, _ := m[2].(string); !strings.Contains(text, want) {
+		t.Fatalf("error message %q does not name the limit %s", text, want)
+	}
+}
+
+// TestSilentConnectionsDoNotLockOut opens more silent connections than
+// the listener used to allow pending in all, from several processes, and
+// proves that a consumer that dials after them still completes its
+// handshake.
+func TestSilentConnectionsDoNotLockOut(t *testing.T) {
+	cfg := testConfig(RoleProducer, nil)
+	cfg.HandshakeTimeout = time.Minute // the silent ones stay pending throughout
+	l := listen(t, cfg)
+	var hs []*helper
+	for range 5 {
+		hs = append(hs, startHelper(t, "silent", l.Addr(), []string{helperConns + "=10"}, nil, ""))
+	}
+	// Connected, so queued for accept ahead of the dial below.
+	for _, h := range hs {
+		h.waitOutput(t, "ready")
+	}
+	ctx := testCtx(t)
+	c, err := Dial(ctx, l.Addr(), testConfig(RoleConsumer, nil))
+	if err != nil {
+		t.Fatalf("Dial behind 50 silent connections: %v", err)
+	}
+	defer c.Close()
+	a, err := l.Accept(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+}
+
+// TestRefusedHandshakeTold opens more silent connections from one process
+// than the listener keeps pending for it: the listener tells the ones it
+// refuses why, and a Dial from that process gets an error matching
+// ErrLimit from the listener that names the limit.
+func TestRefusedHandshakeTold(t *testing.T) {
+	cfg := testConfig(RoleProducer, nil)
+	cfg.HandshakeTimeout = time.Minute
+	l := listen(t, cfg)
+	var silent []net.Conn
+	for range 40 {
+		silent = append(silent, rawDial(t, l.Addr()).c)
+	}
+	readLimitError(t, silent[len(silent)-1], "MaxHandshakesPerPeer")
+	_, err := Dial(testCtx(t), l.Addr(), testConfig(RoleConsumer, nil))
+	var remote *RemoteError
+	if !errors.Is(err, ErrLimit) || !errors.As(err, &remote) || !strings.Contains(err.Error(), "MaxHandshakesPerPeer") {
+		t.Fatalf("Dial with the process's pending handshakes at the limit: %v, want ErrLimit from the listener naming MaxHandshakesPerPeer", err)
+	}
+}
+
+// TestPendingHandshakeEviction fills the listener's pending handshakes
+// from several processes: the oldest are evicted, and told why, rather
+// than the newest refused, so a consumer that dials last gets in.
+func TestPendingHandshakeEviction(t *testing.T) {
+	cfg := testConfig(RoleProducer, nil)
+	cfg.HandshakeTimeout = time.Minute
+	cfg.MaxHandshakes = 4
+	cfg.MaxHandshakesPerPeer = 2
+	l := listen(t, cfg)
+	oldest := []net.Conn{rawDial(t, l.Addr()).c, rawDial(t, l.Addr()).c}
+	for range 2 {
+		startHelper(t, "silent", l.Addr(), []string{helperConns + "=2"}, nil, "").waitOutput(t, "ready")
+	}
+	ctx := testCtx(t)
+	c, err := Dial(ctx, l.Addr(), testConfig(RoleConsumer, nil))
+	if err != nil {
+		t.Fatalf("Dial with the pending handshakes full: %v", err)
+	}
+	defer c.Close()
+	a, err := l.Accept(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	for _, o := range oldest {
+		readLimitError(t, o, "MaxHandshakes=")
+	}
+}
+
+// TestConnLimits proves a listener holds at most MaxConnsPerPeer
+// connections from one process and MaxConns in all, counts a connection
+// until it is closed, and tells a refused peer which limit it hit.
+func TestConnLimits(t *testing.T) {
+	cfg := testConfig(RoleProducer, nil)
+	cfg.MaxConnsPerPeer = 3
+	cfg.MaxConns = 5
+	l := listen(t, cfg)
+	ctx := testCtx(t)
+	var accepted []*Conn
+	dial := func() error {
+		t.Helper()
+		c, err := Dial(ctx, l.Addr(), testConfig(RoleConsumer, nil))
+		if err != nil {
+			return err
+		}
+		t.Cleanup(func() { c.Close() })
+		a, err := l.Accept(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { a.Close() })
+		accepted = append(accepted, a)
+		return nil
+	}
+	for i := range 3 {
+		if err := dial(); err != nil {
+			t.Fatalf("connection %d: %v", i, err)
+		}
+	}
+	var remote *RemoteError
+	err := dial()
+	if !errors.Is(err, ErrLimit) || !errors.As(err, &remote) || !strings.Contains(err.Error(), "MaxConnsPerPeer") {
+		t.Fatalf("connection past MaxConnsPerPeer: %v, want ErrLimit from the listener naming MaxConnsPerPeer", err)
+	}
+	// A closed connection no longer counts.
+	accepted[0].Close()
+	if err := dial(); err != nil {
+		t.Fatalf("connection after one closed: %v", err)
+	}
+	// Two more processes bring the total to MaxConns; a third is refused.
+	for range 2 {
+		startHelper(t, "consumer", l.Addr(), nil, nil, "")
+		a, err := l.Accept(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { a.Close() })
+	}
+	h := startHelper(t, "limited", l.Addr(), nil, nil, "")
+	if err := h.wait(); err != nil || !strings.Contains(h.out.String(), "MaxConns=") {
+		t.Fatalf("dial past MaxConns: %v\nhelper: %s", err, h.out.String())
+	}
+}
+
+// TestConfigLimits proves the limits' defaults, that they stay within
+// half of RLIMIT_NOFILE, and that invalid ones are refused.
+func TestConfigLimits(t *testing.T) {
+	cfg, err := Config{Role: RoleProducer}.resolve()
+	if err != nil {
+		t.Fatal(err)
+	}
+	budget := descriptorLimit() / 2
+	if budget > 0 && cfg.MaxConns+cfg.MaxHandshakes > budget {
+		t.Errorf("default MaxConns %d and MaxHandshakes %d exceed half of RLIMIT_NOFILE (%d)", cfg.MaxConns, cfg.MaxHandshakes, 2*budget)
+	}
+	if budget >= 1024+256 && (cfg.MaxConns != 1024 || cfg.MaxHandshakes != 256) {
+		t.Errorf("defaults MaxConns %d, MaxHandshakes %d; want 1024 and 256", cfg.MaxConns, cfg.MaxHandshakes)
+	}
+	if cfg.MaxConnsPerPeer != 64 || cfg.MaxHandshakesPerPeer != 8 || cfg.FrameTimeout != 10*time.Second {
+		t.Errorf("defaults MaxConnsPerPeer %d, MaxHandshakesPerPeer %d, FrameTimeout %v", cfg.MaxConnsPerPeer, cfg.MaxHandshakesPerPeer, cfg.FrameTimeout)
+	}
+	bad := map[string]Config{
+		"negative MaxConns":             {Role: RoleProducer, MaxConns: -1},
+		"negative MaxConnsPerPeer":      {Role: RoleProducer, MaxConnsPerPeer: -1},
+		"negative MaxHandshakes":        {Role: RoleProducer, MaxHandshakes: -1},
+		"negative MaxHandshakesPerPeer": {Role: RoleProducer, MaxHandshakesPerPeer: -1},
+		"negative FrameTimeout":         {Role: RoleProducer, FrameTimeout: -1},
+	}
+	if budget > 0 {
+		bad["MaxConns past RLIMIT_NOFILE"] = Config{Role: RoleProducer, MaxConns: 2 * budget}
+	}
+	for name, cfg := range bad {
+		if _, err := cfg.resolve(); err == nil {
+			t.Errorf("%s: resolve accepted the config", name)
+		}
+	}
+}
