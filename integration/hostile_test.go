@@ -36,6 +36,8 @@ const (
 	kindHelloAck = 2
 	kindOffer    = 3
 	kindRelease  = 4
+	kindRetire   = 5
+	kindClosed   = 6
 	kindError    = 9
 	roleProducer = 1
 	roleConsumer = 2
@@ -49,6 +51,9 @@ func runHostile(kind, path string) int {
 			os.Exit(1)
 		}
 		return c
+	}
+	if f, ok := hostileKinds[kind]; ok {
+		return f(path)
 	}
 	switch kind {
 	case "flood":
