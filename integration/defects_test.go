@@ -293,7 +293,7 @@ func TestDefectIdleConnectionFlood(t *testing.T) {
 	fds0, threads0 := prod.fds(), prod.threads()
 
 	flood := e.hostile("idle-flood", envHostileN+"=2000")
-	got := counts(t, flood.line("FLOOD", 90*time.Second))
+	got := counts(t, flood.line("FLOOD", 60*time.Second))
 	t.Logf("idle flood of 2000: %v", got)
 	if got["limit"] == 0 {
 		t.Errorf("the flooder was never refused with the limit error (code 12): %v", got)
@@ -305,13 +305,17 @@ func TestDefectIdleConnectionFlood(t *testing.T) {
 	flood.expectExit(0, 20*time.Second)
 
 	churn := e.hostile("hello-close", envHostileN+"=2000")
-	got = counts(t, churn.line("DONE", 90*time.Second))
+	got = counts(t, churn.line("DONE", 60*time.Second))
 	t.Logf("2000 handshakes closed without a goodbye: %v", got)
 	var fds, threads int
-	waitFor(t, "the producer to let go of the closed connections", 20*time.Second, func() bool {
-		fds, threads = prod.fds(), prod.threads()
-		return fds <= fds0+16 && threads <= threads0+4
-	})
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if fds, threads = prod.fds(), prod.threads(); fds <= fds0+16 && threads <= threads0+4 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the producer holds %d descriptors and %d threads, %d and %d before the floods, 20s after 2000 closed connections", fds, threads, fds0, threads0)
+		}
+	}
 	good.servedPast(good.handoffs()+100, 20*time.Second)
 	churn.signal(syscall.SIGTERM)
 	churn.expectExit(0, 20*time.Second)
@@ -341,7 +345,7 @@ func TestDefectClosedWhileLeased(t *testing.T) {
 	if !strings.HasPrefix(reply, "GOT error 5 ") && !strings.HasPrefix(reply, "GOT error 7 ") {
 		t.Errorf("the producer answered `closed` for a leased allocation with %q, want a protocol error (unexpected_message)", reply)
 	}
-	e.consumer("probe", "-count", "200").consumerDone(30 * time.Second)
+	e.consumer("probe", "-count", "200", "-verify", "none").consumerDone(30 * time.Second)
 
 	// Shutdown retires the ring while the hostile process maps it; the
 	// process then releases its leases (a producer that trusted `closed`
@@ -379,7 +383,7 @@ func TestDefectConnectionHandedToChild(t *testing.T) {
 	parent.line("PARENT GONE", 20*time.Second)
 	parent.line("HOLDING", 20*time.Second)
 
-	e.consumer("probe", "-count", "200").consumerDone(30 * time.Second)
+	e.consumer("probe", "-count", "200", "-verify", "none").consumerDone(30 * time.Second)
 	// Shutdown retires the ring while the child maps it: it must wait
 	// (and the good consumer with it, for its goodbye).
 	prod.signal(syscall.SIGTERM)
@@ -449,7 +453,7 @@ func TestDefectReleaseNotHeld(t *testing.T) {
 			t.Errorf("hostile %s: got %q, want the unexpected_message error (code 5)", kind, got)
 		}
 	}
-	e.consumer("probe", "-count", "200").consumerDone(30 * time.Second)
+	e.consumer("probe", "-count", "200", "-verify", "none").consumerDone(30 * time.Second)
 	prod.signal(syscall.SIGTERM)
 	good.consumerDone(30 * time.Second)
 	prod.producerDone(30 * time.Second)

@@ -166,8 +166,11 @@ func frame(body []byte) []byte {
 }
 
 // readReply reads the producer's answer, within 10 seconds.
-func readReply(c net.Conn) string {
-	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+func readReply(c net.Conn) string { return readReplyBy(c, time.Now().Add(10*time.Second)) }
+
+// readReplyBy reads the producer's answer until deadline.
+func readReplyBy(c net.Conn, deadline time.Time) string {
+	c.SetReadDeadline(deadline)
 	var hdr [4]byte
 	if _, err := io.ReadFull(c, hdr[:]); err != nil {
 		if errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) {

@@ -26,6 +26,9 @@ import (
 // handed to a child process. envHostileN sets the size of a flood.
 const envHostileN = "CUDASHARE_INTEGRATION_N"
 
+// envHandoffParent tells the handoff child its parent's pid.
+const envHandoffParent = "CUDASHARE_INTEGRATION_PARENT"
+
 var hostileKinds = map[string]func(path string) int{
 	"closed-while-leased": hostileClosedWhileLeased,
 	"release-twice":       func(path string) int { return hostileBadRelease(path, true) },
@@ -121,9 +124,10 @@ func (p *rawPeer) closed(alloc uint64) {
 
 // reply reads until an error message or the end of the connection,
 // skipping offers and retires, and says what it was in readReply's words.
+// It waits 5 seconds: an answer comes at once or not at all.
 func (p *rawPeer) reply() string {
 	for {
-		msg, err := p.next(10 * time.Second)
+		msg, err := p.next(5 * time.Second)
 		switch {
 		case errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET):
 			return "GOT eof"
@@ -278,8 +282,7 @@ func hostileIdleFlood(path string) int {
 	deadline := time.Now().Add(15 * time.Second)
 	acks, limit, errs, eof, none := 0, 0, 0, 0, 0
 	for _, c := range cs {
-		c.SetReadDeadline(deadline)
-		switch got := readReply(c); {
+		switch got := readReplyBy(c, deadline); {
 		case got == "GOT hello-ack":
 			acks++
 		case strings.HasPrefix(got, "GOT error 12 "):
@@ -342,7 +345,7 @@ func hostileHandoffParent(path string) int {
 		return 1
 	}
 	cmd := exec.Command(exe, "-test.run=^$")
-	cmd.Env = append(os.Environ(), envHostile+"=handoff-child")
+	cmd.Env = append(os.Environ(), envHostile+"=handoff-child", envHandoffParent+"="+strconv.Itoa(os.Getpid()))
 	cmd.ExtraFiles = []*os.File{f}
 	cmd.Stdout, cmd.Stderr = os.Stdout, os.Stderr
 	if err := cmd.Start(); err != nil {
@@ -358,7 +361,9 @@ func hostileHandoffParent(path string) int {
 // it closes its mapping and exits without a goodbye or a release: its exit
 // ends the connection.
 func hostileHandoffChild(string) int {
-	parent := os.Getppid()
+	// From the environment: by the time the child looks, its parent may
+	// have exited already.
+	parent, _ := strconv.Atoi(os.Getenv(envHandoffParent))
 	nc, err := net.FileConn(os.NewFile(3, "handed-over connection"))
 	if err != nil {
 		fmt.Println("FAIL", err)
