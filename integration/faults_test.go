@@ -179,6 +179,19 @@ func TestProducerErrors(t *testing.T) {
 	unsafe.expectExit(app.ExitSocket, 10*time.Second)
 	mustContain(t, "the unsafe directory error", unsafe.stderr.String(), "mode 0700")
 
+	// A regular file where the socket should be is named as such, not
+	// blamed on the directory (which is fine).
+	file := e.sockDir + "/file.sock"
+	if err := os.WriteFile(file, []byte("not a socket"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	occupied := e.start("producer over a regular file", bins.producer, nil, "-socket", file)
+	occupied.expectExit(app.ExitSocket, 10*time.Second)
+	mustContain(t, "the regular file error", occupied.stderr.String(), "a regular file is there, not a socket")
+	if strings.Contains(occupied.stderr.String(), "mode 0700") {
+		t.Errorf("a regular file at -socket is blamed on the directory:\n%s", occupied.stderr.String())
+	}
+
 	long := e.start("producer with a long path", bins.producer, nil, "-socket", e.sockDir+"/"+strings.Repeat("x", 120))
 	long.expectExit(app.ExitSocket, 10*time.Second)
 	mustContain(t, "the long path error", long.stderr.String(), "shorter than 108 bytes")

@@ -6,7 +6,10 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
+	"os"
+	"path/filepath"
 	"slices"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -148,5 +151,105 @@ func TestExplain(t *testing.T) {
 	}
 	if !producerEnd(fmt.Errorf("%w (goodbye): %w", share.ErrProducerGone, io.EOF)) || producerEnd(share.ErrProducerGone) {
 		t.Error("only a producer's goodbye is a clean end")
+	}
+}
+
+// TestExplainRefusals: a refusal says who refused and why. The producer's
+// refusal arrives as its error message (a *transport.RemoteError); the same
+// sentinel found by this consumer's own check is this consumer refusing the
+// listener, and must not be blamed on the producer.
+func TestExplainRefusals(t *testing.T) {
+	remote := func(code uint32, sentinel error) error {
+		re := &transport.RemoteError{Code: code, Message: "no", Peer: "producer pid 1"}
+		if sentinel != nil && !errors.Is(re, sentinel) {
+			t.Fatalf("RemoteError code %d does not match %v", code, sentinel)
+		}
+		return fmt.Errorf("transport: dial /x: transport: handshake with producer: %w", re)
+	}
+	cases := []struct {
+		name    string
+		err     error
+		code    int
+		says    string
+		notSays string
+	}{
+		{"the producer refuses this user", remote(2, transport.ErrPeerRefused), ExitRefused, "the producer at /run/p.sock refused this user", ""},
+		{"this consumer refuses the listener", fmt.Errorf("transport: dial /x: %w: pid 7 uid 0: uid 0 is not allowed", transport.ErrPeerRefused), ExitRefused, "this consumer refused the process listening at /run/p.sock", "the producer at /run/p.sock refused"},
+		{"the producer's limit", remote(codeLimit, nil), ExitRefused, "refused the connection for a limit (code 12)", "not a cudashare producer"},
+		{"the producer refuses the handshake", remote(8, transport.ErrHandshake), ExitRefused, "the producer at /run/p.sock refused the handshake", ""},
+		{"no answer to the handshake", fmt.Errorf("x: %w: no answer within 5s", transport.ErrHandshake), ExitRefused, "did not complete the cudashare handshake", ""},
+		{"hung up during the handshake", fmt.Errorf("x: %w", transport.ErrDisconnected), ExitSocket, "hung up during the handshake", ""},
+	}
+	for _, tc := range cases {
+		err := explainDial("/run/p.sock", tc.err)
+		if exitCode(err) != tc.code || !errors.Is(err, tc.err) {
+			t.Errorf("%s: exit %d, want %d wrapping the cause: %v", tc.name, exitCode(err), tc.code, err)
+		}
+		if msg := err.Error(); !strings.Contains(msg, tc.says) || tc.notSays != "" && strings.Contains(msg, tc.notSays) {
+			t.Errorf("%s: %q should say %q and not %q", tc.name, msg, tc.says, tc.notSays)
+		}
+	}
+}
+
+// TestExplainEnd: how a consumer's batches ended decides its exit code and
+// its message; only a vanished producer is "went away without saying
+// goodbye".
+func TestExplainEnd(t *testing.T) {
+	gone := func(err error) error { return fmt.Errorf("pool: %w: %w", share.ErrProducerGone, err) }
+	cases := []struct {
+		name string
+		err  error
+		code int
+		end  string
+		says string
+	}{
+		{"goodbye", nil, ExitOK, "producer said goodbye", ""},
+		{"goodbye after a shutdown timeout", fmt.Errorf("%w (goodbye: %q): %w", share.ErrProducerGone, "producer shut down", io.EOF), ExitOK, "producer said goodbye", ""},
+		{"lease timeout", gone(&transport.RemoteError{Code: codeTimeout, Message: "lease 3 held for 2s"}), ExitDropped, "dropped: lease timeout",
+			"the producer dropped this consumer: it held a batch longer than the producer's lease timeout"},
+		{"dropped for a protocol error", gone(&transport.RemoteError{Code: 5, Message: "closed while leased"}), ExitDropped, "dropped", "dropped this consumer with an error"},
+		{"malformed offer", gone(fmt.Errorf("%w: offer: size past alloc_size", transport.ErrMalformed)), ExitFailure, "protocol error", "cannot accept"},
+		{"too many offers", gone(fmt.Errorf("%w: 9 offers, window 8", transport.ErrCredit)), ExitFailure, "protocol error", "cannot accept"},
+		{"producer stopped reading", gone(fmt.Errorf("release: %w", transport.ErrWriteTimeout)), ExitProducerGone, "producer stopped reading", "stopped reading"},
+		{"vanished", gone(transport.ErrDisconnected), ExitProducerGone, "producer vanished", "went away without saying goodbye"},
+		{"anything else", errors.New("boom"), ExitFailure, "error", "receiving a batch failed"},
+	}
+	for _, tc := range cases {
+		end, err := explainEnd("/run/p.sock", tc.err, 42)
+		if end != tc.end || exitCode(err) != tc.code && !(tc.code == ExitOK && err == nil) {
+			t.Errorf("%s: end %q, exit %d (%v); want %q, exit %d", tc.name, end, exitCode(err), err, tc.end, tc.code)
+		}
+		if tc.code == ExitOK {
+			if err != nil {
+				t.Errorf("%s: %v, want a clean end", tc.name, err)
+			}
+			continue
+		}
+		if !strings.Contains(err.Error(), tc.says) || !errors.Is(err, tc.err) {
+			t.Errorf("%s: %q should say %q and wrap the cause", tc.name, err, tc.says)
+		}
+		if tc.code != ExitProducerGone && strings.Contains(err.Error(), "went away") {
+			t.Errorf("%s: %q blames a vanished producer", tc.name, err)
+		}
+	}
+}
+
+// TestExplainListenNotASocket: something other than a socket at -socket is
+// named as what it is, not blamed on the directory.
+func TestExplainListenNotASocket(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "p.sock")
+	if err := os.WriteFile(path, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cause := fmt.Errorf("transport: listen %s: %w: %s exists and is not a socket", path, transport.ErrUnsafePath, path)
+	err := explainListen(path, cause)
+	if exitCode(err) != ExitSocket || !strings.Contains(err.Error(), "a regular file is there") || strings.Contains(err.Error(), "mode 0700") {
+		t.Errorf("a regular file at the socket path: %v", err)
+	}
+	os.Remove(path)
+	err = explainListen(path, fmt.Errorf("transport: listen: %w: %s has mode 0755", transport.ErrUnsafePath, dir))
+	if !strings.Contains(err.Error(), "mode 0700") {
+		t.Errorf("an open directory: %v", err)
 	}
 }

@@ -28,7 +28,8 @@ const (
 	ExitSocket       = 4 // producer: cannot listen on the socket; consumer: no producer there
 	ExitProducerGone = 5 // consumer: the producer vanished without a goodbye
 	ExitNoPeerAccess = 6 // consumer: its GPU cannot map the producer's GPU memory
-	ExitRefused      = 7 // consumer: refused (another user, protocol version mismatch)
+	ExitRefused      = 7 // consumer: refused (another user, protocol version mismatch, a limit)
+	ExitDropped      = 8 // consumer: the producer dropped it (a lease held past its lease timeout, a protocol error)
 )
 
 const exitCodesHelp = `exit codes:
@@ -40,7 +41,10 @@ const exitCodesHelp = `exit codes:
      consumer: no producer at the socket
   5  consumer: the producer went away without saying goodbye (killed or crashed)
   6  consumer: its GPU has no peer access to the producer's GPU
-  7  consumer: refused by the producer (another user) or protocol version mismatch
+  7  consumer: refused by the producer (another user, or too many connections
+     from this process) or protocol version mismatch
+  8  consumer: dropped by the producer: it held a batch past the producer's
+     -lease-timeout, or broke the protocol
 `
 
 // DefaultSocket is where the producer listens and the consumer dials

@@ -45,8 +45,10 @@ type consumerConfig struct {
 	readTest        uint64
 	readReps        int
 	shutdownTimeout time.Duration
+	writeTimeout    time.Duration
 	json            bool
 	progress        string
+	reportEvery     time.Duration
 	verbose         bool
 }
 
@@ -105,8 +107,10 @@ func RunConsumer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.Var(sizeFlag{&cfg.readTest}, "read-test", "instead of consuming batches, time reading one shared buffer of this size against a local one (e.g. 1GiB)")
 	fs.IntVar(&cfg.readReps, "read-reps", 21, "repeats of each read in -read-test; the median counts")
 	fs.DurationVar(&cfg.shutdownTimeout, "shutdown-timeout", 10*time.Second, "at the end, how long to wait for the workers to release their batches")
+	fs.DurationVar(&cfg.writeTimeout, "write-timeout", 0, "give up on a producer that leaves this consumer's messages unread this long (0: the transport's default, 10s)")
 	fs.BoolVar(&cfg.json, "json", false, "print one JSON line of results instead of the summary")
 	fs.StringVar(&cfg.progress, "progress", "auto", "live progress line: auto (when stdout is a terminal), on, off")
+	fs.DurationVar(&cfg.reportEvery, "report-every", 0, "print a JSON progress line (ConsumerProgress) to stdout this often while consuming, for scripts and tests watching a long run (0: none)")
 	fs.BoolVar(&cfg.verbose, "v", false, "log more")
 	if code, done := parseFlags(fs, args, stdout); done {
 		return code
@@ -117,6 +121,12 @@ func RunConsumer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 		return ExitUsage
 	case cfg.credits < 1 || cfg.credits > share.MaxCredits:
 		fmt.Fprintf(stderr, "consumer: -credits must be 1 to %d\n", share.MaxCredits)
+		return ExitUsage
+	case cfg.writeTimeout < 0:
+		fmt.Fprintln(stderr, "consumer: -write-timeout must not be negative")
+		return ExitUsage
+	case cfg.reportEvery < 0:
+		fmt.Fprintln(stderr, "consumer: -report-every must not be negative")
 		return ExitUsage
 	case cfg.readReps < 1:
 		fmt.Fprintln(stderr, "consumer: -read-reps must be at least 1")
@@ -224,7 +234,7 @@ func (c *consumer) dial(ctx context.Context, dctx *driver.Context, stream *drive
 	deadline := time.Now().Add(c.cfg.wait)
 	for {
 		imp, err := share.Dial(ctx, c.cfg.socket, dctx, share.ImporterConfig{
-			Credits: uint32(c.cfg.credits), Stream: stream, Logger: c.log,
+			Credits: uint32(c.cfg.credits), Stream: stream, Logger: c.log, WriteTimeout: c.cfg.writeTimeout,
 		})
 		if err == nil {
 			return imp, nil
@@ -301,6 +311,15 @@ func (c *consumer) consume(ctx context.Context, imp *share.Importer, stdout io.W
 		// The line is erased before the summary is printed.
 		defer func() { close(done); <-finished }()
 	}
+	if c.cfg.reportEvery > 0 {
+		done, finished := make(chan struct{}), make(chan struct{})
+		go func() {
+			defer close(finished)
+			c.reportLoop(stdout, done)
+		}()
+		// No progress line may follow the final report.
+		defer func() { close(done); <-finished }()
+	}
 
 	// The pool takes each lease as it arrives, runs the handler on it
 	// and releases it; it ends on the producer's goodbye (nil), on wctx,
@@ -322,19 +341,13 @@ func (c *consumer) consume(ctx context.Context, imp *share.Importer, stdout io.W
 	case ctx.Err() != nil:
 		c.rep.End = "signal"
 		return nil
-	case err == nil || producerEnd(err):
-		c.rep.End = "producer said goodbye"
-		return nil
-	case errors.Is(err, share.ErrProducerGone):
-		c.rep.End = "producer vanished"
-		return fail(ExitProducerGone, err, "the producer at %s went away without saying goodbye (killed or crashed) after %d batches",
-			c.cfg.socket, c.handoffs.Load())
 	case errors.Is(err, share.ErrPeerAccessUnsupported), errors.Is(err, driver.ErrPeerAccessUnsupported):
 		c.rep.End = "error"
 		return c.noPeerAccess(err, c.rep.ProducerDevice)
 	}
-	c.rep.End = "error"
-	return fail(ExitFailure, err, "receiving a batch failed")
+	end, err := explainEnd(c.cfg.socket, err, c.handoffs.Load())
+	c.rep.End = end
+	return err
 }
 
 // handle is one batch: note its latency, check its content, release it.
@@ -417,6 +430,26 @@ func (c *consumer) progressLoop(w io.Writer, done <-chan struct{}) {
 				n, float64(n-last)/every.Seconds(), humanBytes(c.bytes.Load()),
 				float64(c.hist.quantile(0.5))/1e3, c.verifyErrors.Load()+c.errs.Load())
 			last = n
+		}
+	}
+}
+
+// reportLoop prints a ConsumerProgress line every -report-every until done:
+// how a script (or the soak test) sees that a long-running consumer is
+// still being served, without waiting for its final report.
+func (c *consumer) reportLoop(w io.Writer, done <-chan struct{}) {
+	start := time.Now()
+	t := time.NewTicker(c.cfg.reportEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-done:
+			return
+		case <-t.C:
+			writeJSON(w, &ConsumerProgress{
+				Role: "consumer-progress", Handoffs: c.handoffs.Load(), Bytes: c.bytes.Load(),
+				VerifyErrors: c.verifyErrors.Load(), Errors: c.errs.Load(), Seconds: seconds(time.Since(start)),
+			})
 		}
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"syscall"
@@ -48,6 +49,12 @@ func explainListen(path string, err error) error {
 	case errors.Is(err, syscall.EADDRINUSE):
 		return fail(ExitSocket, err, "another producer is already listening on %s: stop it, or give this one another -socket", path)
 	case errors.Is(err, transport.ErrUnsafePath):
+		// The transport refuses two things under one error: an unsafe
+		// directory, and something other than a socket at the path itself.
+		// Only the second is visible here without parsing its message.
+		if what := notSocket(path); what != "" {
+			return fail(ExitSocket, err, "will not listen on %s: %s is there, not a socket, and the producer never removes anything but a stale socket; remove it, or use another -socket", path, what)
+		}
 		return fail(ExitSocket, err, "will not listen on %s: its directory must be a real directory of this user's with mode 0700 (nobody else may enter it); use another -socket, or fix the directory", path)
 	case errors.Is(err, syscall.EACCES), errors.Is(err, os.ErrPermission):
 		return fail(ExitSocket, err, "cannot create the socket %s: permission denied; use a -socket in a directory of yours", path)
@@ -66,17 +73,48 @@ func explainDial(path string, err error) error {
 		return fail(ExitSocket, err, "no producer is listening on %s (connection refused): start the producer first", path)
 	case errors.Is(err, syscall.EACCES), errors.Is(err, syscall.EPERM):
 		return fail(ExitRefused, err, "cannot reach %s: permission denied; it belongs to uid %d, and cudashare only connects processes of the same user: run the consumer as that user", path, ownerOf(path))
-	case errors.Is(err, transport.ErrPeerRefused):
+	case refusedForLimit(err):
+		return fail(ExitRefused, err, "the producer at %s refused the connection for a limit (code %d): too many connections or handshakes from this process, or it is out of file descriptors; close idle connections, or retry later", path, codeLimit)
+	case errors.Is(err, transport.ErrPeerRefused) && isRemote(err):
 		return fail(ExitRefused, err, "the producer at %s refused this user (uid %d): by default a producer only accepts consumers of its own user", path, os.Geteuid())
+	case errors.Is(err, transport.ErrPeerRefused):
+		// Refused here, by this consumer's own credential check: the
+		// listener runs as another user, who could read what we map.
+		return fail(ExitRefused, err, "this consumer refused the process listening at %s: it runs as another user (the socket belongs to uid %d, this consumer is uid %d), and cudashare only connects processes of the same user", path, ownerOf(path), os.Geteuid())
 	case errors.Is(err, transport.ErrVersion):
 		return fail(ExitRefused, err, "the producer at %s speaks another version of the cudashare protocol than this consumer (version %d): use the same cudashare release on both sides", path, transport.Version)
+	case errors.Is(err, transport.ErrHandshake) && isRemote(err):
+		return fail(ExitRefused, err, "the producer at %s refused the handshake", path)
 	case errors.Is(err, transport.ErrHandshake):
-		return fail(ExitRefused, err, "the process at %s is not a cudashare producer, or refused the handshake", path)
-	case errors.Is(err, syscall.ENOTSOCK), errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE),
-		errors.Is(err, transport.ErrDisconnected), errors.Is(err, transport.ErrMalformed):
+		return fail(ExitRefused, err, "the process at %s did not complete the cudashare handshake: it is not a cudashare producer, or it is too busy to answer", path)
+	case errors.Is(err, transport.ErrDisconnected), errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE):
+		return fail(ExitSocket, err, "the process at %s hung up during the handshake without a word: it is not a working cudashare producer, or it is overloaded (out of file descriptors)", path)
+	case errors.Is(err, syscall.ENOTSOCK), errors.Is(err, transport.ErrMalformed):
 		return fail(ExitSocket, err, "%s is not a working cudashare producer socket", path)
 	}
 	return fail(ExitFailure, err, "cannot connect to the producer at %s", path)
+}
+
+// notSocket describes what is at path if it exists and is not a socket
+// ("a regular file", "a directory", ...); "" otherwise.
+func notSocket(path string) string {
+	fi, err := os.Lstat(path)
+	if err != nil {
+		return ""
+	}
+	switch t := fi.Mode().Type(); {
+	case t == fs.ModeSocket:
+		return ""
+	case t == 0:
+		return "a regular file"
+	case t == fs.ModeDir:
+		return "a directory"
+	case t == fs.ModeSymlink:
+		return "a symbolic link"
+	case t == fs.ModeNamedPipe:
+		return "a named pipe"
+	}
+	return "something other than a socket"
 }
 
 // ownerOf returns the uid owning path or, if this user cannot see it, its
@@ -108,6 +146,81 @@ func consumerGone(err error) bool {
 	return errors.Is(err, transport.ErrDisconnected) || errors.Is(err, transport.ErrClosed) ||
 		errors.Is(err, transport.ErrWriteTimeout) || errors.Is(err, transport.ErrRemote) ||
 		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
+}
+
+// The producer's error codes 11 (timeout: it dropped this consumer for
+// holding a lease past its lease timeout) and 12 (limit: too many
+// connections or pending handshakes from this peer).
+//
+// TODO(after transport defines ErrTimeout and ErrLimit): match
+// errors.Is(err, transport.ErrTimeout) and errors.Is(err, transport.ErrLimit)
+// in droppedForLeaseTimeout and refusedForLimit instead of the numbers;
+// these two functions are the only places that know them.
+const (
+	codeTimeout = 11
+	codeLimit   = 12
+)
+
+// droppedForLeaseTimeout reports whether the producer ended the connection
+// because this consumer held a lease past the producer's lease timeout.
+func droppedForLeaseTimeout(err error) bool { return remoteCode(err) == codeTimeout }
+
+// refusedForLimit reports whether the producer refused the connection
+// because this peer has too many connections or handshakes in progress.
+func refusedForLimit(err error) bool { return remoteCode(err) == codeLimit }
+
+// remoteCode is the code of the error message the producer sent, or -1 if
+// err is a failure found on this side.
+func remoteCode(err error) int64 {
+	var re *transport.RemoteError
+	if errors.As(err, &re) {
+		return int64(re.Code)
+	}
+	return -1
+}
+
+// isRemote reports whether err is the producer's error message, as
+// opposed to the same kind of failure found by this consumer.
+func isRemote(err error) bool { return remoteCode(err) >= 0 }
+
+// protocolBroken reports whether the producer sent something this
+// consumer cannot accept: the producer is broken or is not a cudashare
+// producer, which is not the same as vanishing.
+func protocolBroken(err error) bool {
+	if isRemote(err) {
+		return false
+	}
+	for _, s := range []error{transport.ErrMalformed, transport.ErrUnknownMessage, transport.ErrUnexpectedMessage,
+		transport.ErrFrameTooLarge, transport.ErrCredit, transport.ErrNotSupported} {
+		if errors.Is(err, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// explainEnd turns the error that ended a consumer's batches (the
+// importer's, through the pool) into what happened, for the report's "end"
+// and the user: a producer that dropped this consumer, one that broke the
+// protocol, one that stopped reading, and one that vanished are different
+// stories with different remedies. It returns a nil error only for the
+// producer's goodbye.
+func explainEnd(path string, err error, batches uint64) (end string, _ error) {
+	switch {
+	case err == nil || producerEnd(err):
+		return "producer said goodbye", nil
+	case droppedForLeaseTimeout(err):
+		return "dropped: lease timeout", fail(ExitDropped, err, "the producer dropped this consumer: it held a batch longer than the producer's lease timeout (after %d batches); release each batch within the producer's -lease-timeout", batches)
+	case isRemote(err):
+		return "dropped", fail(ExitDropped, err, "the producer at %s dropped this consumer with an error after %d batches", path, batches)
+	case protocolBroken(err):
+		return "protocol error", fail(ExitFailure, err, "the producer at %s sent a message this consumer cannot accept (malformed, or outside the protocol) after %d batches: a bug in the producer, or not a cudashare producer; this consumer hung up", path, batches)
+	case errors.Is(err, transport.ErrWriteTimeout):
+		return "producer stopped reading", fail(ExitProducerGone, err, "the producer at %s stopped reading this consumer's messages for longer than -write-timeout after %d batches (stopped or stuck); this consumer gave up", path, batches)
+	case errors.Is(err, share.ErrProducerGone):
+		return "producer vanished", fail(ExitProducerGone, err, "the producer at %s went away without saying goodbye (killed or crashed) after %d batches", path, batches)
+	}
+	return "error", fail(ExitFailure, err, "receiving a batch failed")
 }
 
 // producerEnd classifies the error that ended a consumer's importer.

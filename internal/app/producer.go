@@ -37,6 +37,9 @@ type producerConfig struct {
 	event           bool
 	fill            bool
 	shutdownTimeout time.Duration
+	leaseTimeout    time.Duration
+	maxLeases       int
+	writeTimeout    time.Duration
 	json            bool
 	verbose         bool
 }
@@ -61,6 +64,9 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.BoolVar(&cfg.fill, "fill", true, "write each batch's pattern on the GPU; -fill=false offers buffers unwritten, with no GPU work and no event, to measure the handoff alone (pair it with the consumer's -verify none)")
 	fs.BoolVar(&cfg.event, "event", true, "record an interprocess event after the fill, which the consumer's stream waits on; -event=false synchronizes on the host before each offer instead")
 	fs.DurationVar(&cfg.shutdownTimeout, "shutdown-timeout", 30*time.Second, "at the end, how long to wait for consumers to release and unmap the buffers")
+	fs.DurationVar(&cfg.leaseTimeout, "lease-timeout", share.DefaultLeaseTimeout, "drop a consumer that holds one batch longer than this (stopped or stuck), so that it cannot keep buffers from the others; negative: never")
+	fs.IntVar(&cfg.maxLeases, "max-leases", 0, "most batches one consumer holds at once, below the credits it asks for, so that a slow consumer cannot take the whole ring (0: only its credits)")
+	fs.DurationVar(&cfg.writeTimeout, "write-timeout", 0, "drop a consumer that leaves the producer's messages unread this long (0: the transport's default, 10s)")
 	fs.BoolVar(&cfg.json, "json", false, "print one JSON line of results instead of the summary")
 	fs.BoolVar(&cfg.verbose, "v", false, "log consumers arriving and leaving")
 	if code, done := parseFlags(fs, args, stdout); done {
@@ -75,6 +81,17 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 		return ExitUsage
 	case cfg.consumers < 0:
 		fmt.Fprintln(stderr, "producer: -consumers must not be negative")
+		return ExitUsage
+	case cfg.leaseTimeout == 0:
+		// 0 would mean the library's default, which is not what someone
+		// who typed 0 meant.
+		fmt.Fprintln(stderr, "producer: -lease-timeout must not be 0 (a negative value means no deadline)")
+		return ExitUsage
+	case cfg.maxLeases < 0:
+		fmt.Fprintln(stderr, "producer: -max-leases must not be negative")
+		return ExitUsage
+	case cfg.writeTimeout < 0:
+		fmt.Fprintln(stderr, "producer: -write-timeout must not be negative")
 		return ExitUsage
 	}
 
@@ -116,7 +133,16 @@ func (p *producer) run(ctx context.Context) error {
 	if err != nil {
 		return fail(ExitNoDriver, nil, "%v", err)
 	}
-	defer dev.close()
+	// Releasing the primary context destroys it, and with it every
+	// allocation in it, mapped by a consumer or not. After a Shutdown that
+	// could not free everything, a consumer may still map what is left:
+	// the context is then left to the process's exit (see below).
+	keepContext := false
+	defer func() {
+		if !keepContext {
+			dev.close()
+		}
+	}()
 	p.rep.Driver, p.rep.DriverReason = dev.d.Backend(), dev.d.Reason()
 	p.rep.DeviceUUID, p.rep.DeviceName = dev.dev.UUID().String(), dev.name
 	p.rep.MemUsedBefore = memUsed(dev.ctx)
@@ -129,7 +155,12 @@ func (p *producer) run(ctx context.Context) error {
 	}
 	defer stream.Close()
 
-	exp, err := share.NewExporter(ctx, dev.ctx, p.cfg.socket, share.ExporterConfig{Logger: p.log})
+	exp, err := share.NewExporter(ctx, dev.ctx, p.cfg.socket, share.ExporterConfig{
+		Logger:               p.log,
+		LeaseTimeout:         p.cfg.leaseTimeout,
+		MaxLeasesPerConsumer: p.cfg.maxLeases,
+		WriteTimeout:         p.cfg.writeTimeout,
+	})
 	if err != nil {
 		return explainListen(p.cfg.socket, err)
 	}
@@ -145,24 +176,39 @@ func (p *producer) run(ctx context.Context) error {
 	t0 := time.Now()
 	shutErr := exp.Shutdown(sctx)
 	cancel()
-	p.rep.ShutdownSeconds = seconds(time.Since(t0))
+	took := time.Since(t0)
+	p.rep.ShutdownSeconds = seconds(took)
 
 	st := exp.Stats()
 	p.rep.Offers, p.rep.Releases, p.rep.BytesOffered = st.Offers, st.Releases, st.BytesOffered
 	p.rep.ConsumersLost, p.rep.Retired = st.ConsumersLost, st.Retired
+	p.rep.ConsumersDropped, p.rep.BroadcastMissed = st.ConsumersDropped, st.BroadcastMissed
 	p.rep.AllocationsLeft, p.rep.LeasesLeft = st.Allocations, st.Leases
 	p.rep.MemUsedAfter = memUsed(dev.ctx)
+	keepContext = st.Allocations > 0
 
+	var shutMsg error
 	switch {
-	case runErr != nil:
-		return runErr
-	case shutErr != nil:
-		return fail(ExitFailure, shutErr, "shutdown: consumers did not release and unmap the buffers within -shutdown-timeout %v; %d allocation(s) stay allocated until they exit",
-			p.cfg.shutdownTimeout, st.Allocations)
 	case st.Allocations > 0:
-		return fail(ExitFailure, nil, "shutdown left %d allocation(s) unfreed", st.Allocations)
+		// The exporter never frees memory a consumer may still map; this
+		// process does not destroy its context over it either. The driver
+		// frees it once this process has exited and no process maps it.
+		cause := fmt.Sprintf("shutdown failed after %.2fs", took.Seconds())
+		if errors.Is(shutErr, context.DeadlineExceeded) {
+			cause = fmt.Sprintf("consumers did not release and unmap the buffers within -shutdown-timeout %v", p.cfg.shutdownTimeout)
+		}
+		shutMsg = fail(ExitFailure, shutErr, "shutdown: %s; %d allocation(s) that a consumer may still map were not freed (%d lease(s) outstanding): this process exits without destroying its CUDA context, and the driver frees them once this process and every consumer that maps them have exited",
+			cause, st.Allocations, st.Leases)
+	case shutErr != nil:
+		shutMsg = fail(ExitFailure, shutErr, "shutdown failed after %.2fs, although every allocation was freed", took.Seconds())
 	}
-	return nil
+	if runErr != nil {
+		if shutMsg != nil {
+			p.log.Error("after the failure, the shutdown failed too", "err", shutMsg)
+		}
+		return runErr
+	}
+	return shutMsg
 }
 
 // serve waits for the consumers and runs the batches until -count,
@@ -324,8 +370,10 @@ func (p *producer) summary(w io.Writer) {
 		what += ", broadcast"
 	}
 	fmt.Fprintf(w, "producer: %s driver, GPU %d (%s)\n", r.Driver, r.Device, r.DeviceUUID)
-	fmt.Fprintf(w, "producer: %d batches of %s (%s) in %.2fs: %.0f batches/s, %s lent in %d offers, %d consumer(s) lost; ended by %s\n",
-		r.Batches, FormatSize(r.Size), what, r.Seconds, r.BatchesPerS, humanBytes(r.BytesOffered), r.Offers, r.ConsumersLost, r.End)
+	fmt.Fprintf(w, "producer: %d batches of %s (%s) in %.2fs: %.0f batches/s, %s lent in %d offers; ended by %s\n",
+		r.Batches, FormatSize(r.Size), what, r.Seconds, r.BatchesPerS, humanBytes(r.BytesOffered), r.Offers, r.End)
+	fmt.Fprintf(w, "producer: consumers: %d lost (gone without a goodbye), %d dropped (stuck past a timeout, or a protocol error); %d broadcast offer(s) missed by a full backlog\n",
+		r.ConsumersLost, r.ConsumersDropped, r.BroadcastMissed)
 	left := "none left"
 	if r.AllocationsLeft > 0 {
 		left = fmt.Sprintf("%d LEFT ALLOCATED", r.AllocationsLeft)

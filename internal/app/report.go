@@ -27,13 +27,18 @@ type ProducerReport struct {
 	End          string  `json:"end"` // count, duration, signal, or error
 
 	// From share.ExporterStats after Shutdown.
-	Offers          uint64 `json:"offers"`
-	Releases        uint64 `json:"releases"`
-	BytesOffered    uint64 `json:"bytes_offered"`
-	ConsumersLost   uint64 `json:"consumers_lost"`
-	Retired         uint64 `json:"retired"`
-	AllocationsLeft int    `json:"allocations_left"` // 0: everything it allocated was freed
-	LeasesLeft      int    `json:"leases_left"`
+	Offers        uint64 `json:"offers"`
+	Releases      uint64 `json:"releases"`
+	BytesOffered  uint64 `json:"bytes_offered"`
+	ConsumersLost uint64 `json:"consumers_lost"`
+	// Consumers the producer dropped (a lease held past -lease-timeout,
+	// messages unread past -write-timeout, a protocol violation), and
+	// consumers a broadcast skipped because their backlog was full.
+	ConsumersDropped uint64 `json:"consumers_dropped"`
+	BroadcastMissed  uint64 `json:"broadcast_missed"`
+	Retired          uint64 `json:"retired"`
+	AllocationsLeft  int    `json:"allocations_left"` // 0: everything it allocated was freed
+	LeasesLeft       int    `json:"leases_left"`
 
 	// Device memory in use (driver's count) before the exporter existed and
 	// after Shutdown. On the simulator only this process and its peers use
@@ -90,6 +95,18 @@ type ConsumerReport struct {
 	ReadTest       *ReadTest `json:"read_test,omitempty"`
 	Error          string    `json:"error,omitempty"`
 	Exit           int       `json:"exit"`
+}
+
+// ConsumerProgress is the line the consumer prints every -report-every
+// while it consumes: counts so far. Its role, "consumer-progress", tells it
+// from the final ConsumerReport, which always comes last.
+type ConsumerProgress struct {
+	Role         string  `json:"role"` // "consumer-progress"
+	Handoffs     uint64  `json:"handoffs"`
+	Bytes        uint64  `json:"bytes"`
+	VerifyErrors uint64  `json:"verify_errors"`
+	Errors       uint64  `json:"errors"`
+	Seconds      float64 `json:"seconds"` // since the batches started
 }
 
 func writeJSON(w io.Writer, v any) {
