@@ -175,7 +175,7 @@ func TestExplainRefusals(t *testing.T) {
 	}{
 		{"the producer refuses this user", remote(2, transport.ErrPeerRefused), ExitRefused, "the producer at /run/p.sock refused this user", ""},
 		{"this consumer refuses the listener", fmt.Errorf("transport: dial /x: %w: pid 7 uid 0: uid 0 is not allowed", transport.ErrPeerRefused), ExitRefused, "this consumer refused the process listening at /run/p.sock", "the producer at /run/p.sock refused"},
-		{"the producer's limit", remote(codeLimit, nil), ExitRefused, "refused the connection for a limit (code 12)", "not a cudashare producer"},
+		{"the producer's limit", remote(12, transport.ErrLimit), ExitRefused, "refused the connection for a limit", "not a cudashare producer"},
 		{"the producer refuses the handshake", remote(8, transport.ErrHandshake), ExitRefused, "the producer at /run/p.sock refused the handshake", ""},
 		{"no answer to the handshake", fmt.Errorf("x: %w: no answer within 5s", transport.ErrHandshake), ExitRefused, "did not complete the cudashare handshake", ""},
 		{"hung up during the handshake", fmt.Errorf("x: %w", transport.ErrDisconnected), ExitSocket, "hung up during the handshake", ""},
@@ -205,8 +205,8 @@ func TestExplainEnd(t *testing.T) {
 	}{
 		{"goodbye", nil, ExitOK, "producer said goodbye", ""},
 		{"goodbye after a shutdown timeout", fmt.Errorf("%w (goodbye: %q): %w", share.ErrProducerGone, "producer shut down", io.EOF), ExitOK, "producer said goodbye", ""},
-		{"lease timeout", gone(&transport.RemoteError{Code: codeTimeout, Message: "lease 3 held for 2s"}), ExitDropped, "dropped: lease timeout",
-			"the producer dropped this consumer: it held a batch longer than the producer's lease timeout"},
+		{"lease timeout", gone(&transport.RemoteError{Code: 11, Message: "it held a lease longer than the producer's lease timeout of 2s"}), ExitDropped, "dropped: timeout",
+			"the producer dropped this consumer for a timeout after 42 batches: it held a lease longer than the producer's lease timeout"},
 		{"dropped for a protocol error", gone(&transport.RemoteError{Code: 5, Message: "closed while leased"}), ExitDropped, "dropped", "dropped this consumer with an error"},
 		{"malformed offer", gone(fmt.Errorf("%w: offer: size past alloc_size", transport.ErrMalformed)), ExitFailure, "protocol error", "cannot accept"},
 		{"too many offers", gone(fmt.Errorf("%w: 9 offers, window 8", transport.ErrCredit)), ExitFailure, "protocol error", "cannot accept"},

@@ -74,7 +74,7 @@ func explainDial(path string, err error) error {
 	case errors.Is(err, syscall.EACCES), errors.Is(err, syscall.EPERM):
 		return fail(ExitRefused, err, "cannot reach %s: permission denied; it belongs to uid %d, and cudashare only connects processes of the same user: run the consumer as that user", path, ownerOf(path))
 	case refusedForLimit(err):
-		return fail(ExitRefused, err, "the producer at %s refused the connection for a limit (code %d): too many connections or handshakes from this process, or it is out of file descriptors; close idle connections, or retry later", path, codeLimit)
+		return fail(ExitRefused, err, "the producer at %s refused the connection for a limit: %s; close idle connections, or retry later", path, remoteText(err))
 	case errors.Is(err, transport.ErrPeerRefused) && isRemote(err):
 		return fail(ExitRefused, err, "the producer at %s refused this user (uid %d): by default a producer only accepts consumers of its own user", path, os.Geteuid())
 	case errors.Is(err, transport.ErrPeerRefused):
@@ -148,26 +148,23 @@ func consumerGone(err error) bool {
 		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
 }
 
-// The producer's error codes 11 (timeout: it dropped this consumer for
-// holding a lease past its lease timeout) and 12 (limit: too many
-// connections or pending handshakes from this peer).
-//
-// TODO(after transport defines ErrTimeout and ErrLimit): match
-// errors.Is(err, transport.ErrTimeout) and errors.Is(err, transport.ErrLimit)
-// in droppedForLeaseTimeout and refusedForLimit instead of the numbers;
-// these two functions are the only places that know them.
-const (
-	codeTimeout = 11
-	codeLimit   = 12
-)
-
-// droppedForLeaseTimeout reports whether the producer ended the connection
-// because this consumer held a lease past the producer's lease timeout.
-func droppedForLeaseTimeout(err error) bool { return remoteCode(err) == codeTimeout }
+// droppedForTimeout reports whether the producer ended the connection
+// because this consumer held something past one of its deadlines (a lease
+// past the lease timeout, its mappings past a shutdown, half a frame).
+func droppedForTimeout(err error) bool { return isRemote(err) && errors.Is(err, transport.ErrTimeout) }
 
 // refusedForLimit reports whether the producer refused the connection
 // because this peer has too many connections or handshakes in progress.
-func refusedForLimit(err error) bool { return remoteCode(err) == codeLimit }
+func refusedForLimit(err error) bool { return isRemote(err) && errors.Is(err, transport.ErrLimit) }
+
+// remoteText is the text of the producer's error message in err.
+func remoteText(err error) string {
+	var re *transport.RemoteError
+	if errors.As(err, &re) {
+		return re.Message
+	}
+	return ""
+}
 
 // remoteCode is the code of the error message the producer sent, or -1 if
 // err is a failure found on this side.
@@ -209,8 +206,8 @@ func explainEnd(path string, err error, batches uint64) (end string, _ error) {
 	switch {
 	case err == nil || producerEnd(err):
 		return "producer said goodbye", nil
-	case droppedForLeaseTimeout(err):
-		return "dropped: lease timeout", fail(ExitDropped, err, "the producer dropped this consumer: it held a batch longer than the producer's lease timeout (after %d batches); release each batch within the producer's -lease-timeout", batches)
+	case droppedForTimeout(err):
+		return "dropped: timeout", fail(ExitDropped, err, "the producer dropped this consumer for a timeout after %d batches: %s (release each batch within the producer's -lease-timeout)", batches, remoteText(err))
 	case isRemote(err):
 		return "dropped", fail(ExitDropped, err, "the producer at %s dropped this consumer with an error after %d batches", path, batches)
 	case protocolBroken(err):
