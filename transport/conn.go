@@ -528,13 +528,21 @@ func (c *Conn) recvFailed(err error) error {
 	c.mu.Lock()
 	cur := c.err
 	c.mu.Unlock()
+	var remote *RemoteError
+	if cur != nil && errors.Is(cur, ErrDisconnected) && errors.As(err, &remote) {
+		// A write failed because the peer had closed, and what it said
+		// before it closed says why: that is the cause.
+		err = fmt.Errorf("transport: receive from %s: %w", c.desc, err)
+		c.rerr = err
+		c.nc.Close()
+		return err
+	}
 	if cur != nil {
 		// Failed or closed elsewhere first; that is the cause.
 		c.rerr = cur
 		c.nc.Close()
 		return cur
 	}
-	var remote *RemoteError
 	notify := !errors.As(err, &remote) && !errors.Is(err, ErrDisconnected) && !errors.Is(err, ErrClosed)
 	if !errors.Is(err, ErrClosed) {
 		err = fmt.Errorf("transport: receive from %s: %w", c.desc, err)

@@ -93,3 +93,31 @@ func TestRefusalSides(t *testing.T) {
 		t.Fatalf("Dial refusing the listener: %v, want ErrPeerRefused and no RemoteError", err)
 	}
 }
+
+// TestRemoteErrorBeatsFailedWrite: a consumer whose producer dropped it
+// with an error, and whose own write then failed because the producer had
+// closed, learns from Recv what the producer said, not "broken pipe". (A
+// consumer stopped and resumed past a lease deadline meets exactly this.)
+func TestRemoteErrorBeatsFailedWrite(t *testing.T) {
+	checkNoFDLeak(t)
+	prod, cons := pair(t, testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil))
+	ctx := testCtx(t)
+	o := testOffer()
+	if err := prod.SendOffer(ctx, &o); err != nil {
+		t.Fatal(err)
+	}
+	var m Message
+	if err := cons.Recv(ctx, &m); err != nil {
+		t.Fatal(err)
+	}
+	why := fmt.Errorf("%w: it held a lease past the lease timeout", ErrTimeout)
+	prod.CloseWithError(why)
+	// The release fails: the producer is gone.
+	if err := cons.SendRelease(ctx, m.Offer.Seq); err == nil {
+		cons.Flush(ctx)
+	}
+	err := cons.Recv(ctx, &m)
+	if !errors.Is(err, ErrTimeout) || !errors.Is(err, ErrRemote) {
+		t.Fatalf("Recv after a failed write to a producer that dropped us: %v, want its error message", err)
+	}
+}
