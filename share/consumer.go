@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"slices"
 	"time"
 
@@ -19,16 +20,17 @@ import (
 // What a consumer may map belongs to its connection: nothing is voided
 // while the connection is open. After it ends, its leases and mappings are
 // void at once if it said goodbye (or we did, after it closed
-// everything), or if it held nothing; otherwise once the process that
-// opened the connection has exited, which unmapped everything. If that
-// process exits while the connection is still open, the connection was
-// handed to another process, which the exporter cannot watch: what the
-// connection may map is never voided (PROTOCOL.md, section 7).
+// everything), or if it held nothing; otherwise once every process that
+// held the connection has exited, which unmapped everything. Those are
+// the process that opened it and, if that one exits while the connection
+// is still open (it handed the connection on, or forked), the processes
+// found holding it then, and so on. If none can be found or watched, what
+// the connection may map is never voided (PROTOCOL.md, section 7.1).
 type consumer struct {
-	e     *Exporter
-	conn  *transport.Conn
-	peer  transport.Peer
-	watch *procWatch // shared with the process's other connections
+	e       *Exporter
+	conn    *transport.Conn
+	peer    transport.Peer
+	watches []*procWatch // processes that held the connection; Exporter.mu
 
 	// Guarded by Exporter.mu.
 	window, out uint64 // credits granted; offers not released
@@ -39,7 +41,8 @@ type consumer struct {
 	saidBye     bool                   // it said goodbye: everything it held is void
 	sentBye     bool                   // we said goodbye after retiring everything
 	ended       bool                   // its connection has ended
-	handedOff   bool                   // its process exited with the connection open
+	handedOn    bool                   // it passed to other processes, which are watched
+	unwatchable bool                   // it passed to processes that cannot be watched
 	kicked      bool                   // the exporter dropped it for cause
 	lagging     bool                   // it missed a broadcast, and has not had room since
 	dropped     bool                   // forgotten: nothing it held counts
@@ -133,7 +136,7 @@ func (e *Exporter) acceptLoop() {
 			cancel()
 			continue
 		}
-		e.watchLocked(c)
+		e.watchLocked(c, int(peer.PID))
 		e.conns[c] = struct{}{}
 		e.consumers = append(e.consumers, c)
 		c.active = true
@@ -298,20 +301,29 @@ func (e *Exporter) onGone(c *consumer, err error) {
 		return // Close deals with what is left
 	}
 	switch {
-	case clean || !c.holdsLocked():
+	case clean || !c.holdsLocked() || e.holdersGoneLocked(c):
 		e.dropLocked(c)
-	case c.handedOff:
-		e.log.Warn("share: consumer lost without a goodbye; its connection had outlived the process that opened it, so the allocations it may map stay allocated until the producer exits",
-			"peer", c.peer.String(), "err", err, "allocations", len(c.allocs), "leases", c.out)
-	case c.watch.exited:
-		e.dropLocked(c)
-	case c.watch.pid <= 0:
-		e.log.Warn("share: consumer lost without a goodbye; its process cannot be watched (another PID namespace), so the allocations it may map stay allocated until the producer exits",
+	case c.unwatchable:
+		e.log.Warn("share: consumer lost without a goodbye; the processes holding its connection could not be watched, so the allocations it may map stay allocated until the producer exits",
 			"peer", c.peer.String(), "err", err, "allocations", len(c.allocs), "leases", c.out)
 	default:
 		e.log.Warn("share: consumer lost without a goodbye; its leases and mappings end when its process exits",
 			"peer", c.peer.String(), "err", err, "allocations", len(c.allocs), "leases", c.out)
 	}
+}
+
+// holdersGoneLocked reports whether every process known to have held c's
+// connection has exited.
+func (e *Exporter) holdersGoneLocked(c *consumer) bool {
+	if c.unwatchable {
+		return false
+	}
+	for _, w := range c.watches {
+		if !w.exited {
+			return false
+		}
+	}
+	return true
 }
 
 // dropLocked voids every lease and mapping of c and forgets it.
@@ -342,10 +354,16 @@ func (e *Exporter) dropLocked(c *consumer) {
 
 // --- Watching processes ------------------------------------------------------
 
-// watchLocked attaches c to the watch of its process, starting one if the
-// process has none.
-func (e *Exporter) watchLocked(c *consumer) {
-	pid := int(c.peer.PID)
+// watchLocked adds the process pid to those watched for c, starting a
+// watch if the process has none. A pid that is unknown (0: another PID
+// namespace) cannot be watched.
+func (e *Exporter) watchLocked(c *consumer, pid int) {
+	if pid <= 0 {
+		c.unwatchable = true
+		e.stats.ConsumersUnwatched++
+		e.log.Warn("share: a consumer's process cannot be watched (unknown pid, another PID namespace?); what it may map is freed only after a goodbye", "peer", c.peer.String())
+		return
+	}
 	w := e.pids[pid]
 	if w == nil || w.exited {
 		// A new process, or one whose pid was reused.
@@ -356,24 +374,29 @@ func (e *Exporter) watchLocked(c *consumer) {
 		e.wg.Add(1)
 		go e.watchLoop(ctx, w)
 	}
-	w.cons[c] = struct{}{}
-	c.watch = w
-}
-
-// unwatchLocked detaches c from its process's watch, which ends with its
-// last consumer.
-func (e *Exporter) unwatchLocked(c *consumer) {
-	w := c.watch
-	delete(w.cons, c)
-	if len(w.cons) == 0 {
-		w.stop()
-		if e.pids[w.pid] == w {
-			delete(e.pids, w.pid)
-		}
+	if _, ok := w.cons[c]; !ok {
+		w.cons[c] = struct{}{}
+		c.watches = append(c.watches, w)
 	}
 }
 
-// watchLoop waits for w's process to exit.
+// unwatchLocked detaches c from the watches of its processes; a watch ends
+// with its last consumer.
+func (e *Exporter) unwatchLocked(c *consumer) {
+	for _, w := range c.watches {
+		delete(w.cons, c)
+		if len(w.cons) == 0 {
+			w.stop()
+			if e.pids[w.pid] == w {
+				delete(e.pids, w.pid)
+			}
+		}
+	}
+	c.watches = nil
+}
+
+// watchLoop waits for w's process to exit, then settles each consumer it
+// held a connection of.
 func (e *Exporter) watchLoop(ctx context.Context, w *procWatch) {
 	defer e.wg.Done()
 	defer w.close()
@@ -381,29 +404,69 @@ func (e *Exporter) watchLoop(ctx context.Context, w *procWatch) {
 		return
 	}
 	e.mu.Lock()
-	defer e.mu.Unlock()
 	w.exited = true
-	if e.life.Err() != nil {
-		return
-	}
+	var open []*consumer
 	for c := range w.cons {
 		switch {
-		case c.ended && !c.handedOff:
-			e.log.Info("share: lost consumer's process exited; reclaiming its leases and mappings", "peer", c.peer.String())
-			e.dropLocked(c)
+		case e.life.Err() != nil || c.dropped:
 		case c.ended:
+			if e.holdersGoneLocked(c) {
+				e.log.Info("share: lost consumer's process exited; reclaiming its leases and mappings", "peer", c.peer.String())
+				e.dropLocked(c)
+			}
 		case c.conn.PeerHungUp():
 			// It died holding the connection, which the kernel closed
 			// first: its receive loop is about to see the end.
 		default:
-			// Someone else holds the connection open: the process that
-			// maps through it now is not one we can watch.
-			c.handedOff = true
-			e.stats.ConsumersUnwatched++
-			e.log.Warn("share: the process that opened a consumer connection exited, and another holds the connection; what it may map stays allocated until it says goodbye or the producer exits",
-				"peer", c.peer.String())
+			// Another process holds the connection open.
+			open = append(open, c)
 		}
 	}
+	e.mu.Unlock()
+	for _, c := range open {
+		e.followConnection(c)
+	}
+}
+
+// followConnection finds the processes that hold c's connection now that
+// the one watched has exited, and watches them. Where none can be found,
+// what c may map is never freed before the producer exits.
+func (e *Exporter) followConnection(c *consumer) {
+	// Outside the lock: a scan of /proc takes a while on a busy machine.
+	pids, err := connectionHolders(c.conn)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if c.dropped || e.life.Err() != nil {
+		return
+	}
+	if err == nil && len(pids) == 0 && (c.ended || c.conn.PeerHungUp()) {
+		return // it ended meanwhile: its last holder's exit settles it
+	}
+	if err != nil || len(pids) == 0 {
+		c.unwatchable = true
+		e.stats.ConsumersUnwatched++
+		e.log.Warn("share: the process that held a consumer connection exited, and the processes holding it now cannot be found; what it may map stays allocated until a goodbye or the producer exits",
+			"peer", c.peer.String(), "err", err)
+		return
+	}
+	if !c.handedOn {
+		c.handedOn = true
+		e.stats.ConsumersHandedOn++
+	}
+	e.log.Info("share: a consumer connection passed to other processes; watching them", "peer", c.peer.String(), "pids", pids)
+	for _, pid := range pids {
+		e.watchLocked(c, pid)
+	}
+}
+
+// connectionHolders returns the processes, other than this one, that have
+// a descriptor of the peer end of conn.
+func connectionHolders(conn *transport.Conn) ([]int, error) {
+	ino, err := conn.PeerSocket()
+	if err != nil {
+		return nil, err
+	}
+	return socketHolders(ino, os.Getpid())
 }
 
 // --- Lease deadline ------------------------------------------------------------

@@ -82,10 +82,13 @@
 //     opened while it was connected, one per process however many
 //     connections it opens. A ring buffer it held then comes back, and a
 //     retirement waiting on it finishes.
-//   - If that process exits while its connection is still open (it handed
-//     the connection to another process), or its pid is unknown (another
-//     PID namespace), no process can be watched for it: what it may map
-//     stays allocated until the producer exits. ExporterStats says so.
+//   - If that process exits while its connection is still open (it
+//     handed the connection on, or a child inherited it), the exporter
+//     finds the processes holding the connection now (sock_diag, then
+//     /proc) and waits for them instead. Where none can be found or
+//     watched (another PID namespace, another user), what the connection
+//     may map stays allocated until a goodbye or the producer exits.
+//     ExporterStats counts both cases.
 //   - Offer picks the consumer holding the fewest leases among those with
 //     a credit (and below MaxLeasesPerConsumer), so a stalled consumer
 //     holds no more than its share. Broadcast gives a consumer that

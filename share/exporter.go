@@ -61,10 +61,14 @@ type ExporterStats struct {
 	// BroadcastMissed counts consumers a Broadcast skipped because their
 	// backlog was full (see Broadcast).
 	BroadcastMissed uint64
-	// ConsumersUnwatched counts connections that outlived the process
-	// that opened them (handed to another process): what they may map is
-	// never freed before the producer exits, since no process is known to
-	// watch.
+	// ConsumersHandedOn counts connections that outlived the process that
+	// opened them (handed on, or inherited by a child): the processes
+	// holding them then are watched instead.
+	ConsumersHandedOn uint64
+	// ConsumersUnwatched counts connections whose holding processes could
+	// not be found or watched (unknown pid, another PID namespace): what
+	// they may map is freed only after a goodbye, else never before the
+	// producer exits.
 	ConsumersUnwatched uint64
 }
 

@@ -253,33 +253,25 @@ func TestReleaseNotHeld(t *testing.T) { lyingConsumer(t, "bogus-release") }
 
 // TestConnectionHandedOff: a consumer hands its connection and its
 // mapping to another process and exits. Nothing the connection may map is
-// voided while it is open; and since the process that maps it now cannot
-// be watched, not when it closes either: the memory is never freed under
-// the holder, which still maps it after closing the connection.
+// voided while the connection is open, nor once it ends while the process
+// holding it lives (it still maps the memory after closing the connection
+// here); the memory is freed once that process has exited.
 func TestConnectionHandedOff(t *testing.T) {
 	env := sharetest.Setup(t)
+	mem := env.FreeMemory(t)
+	defer env.CheckMemory(t, mem)
 	ctx := sharetest.Ctx(t)
-	// Memory the test owns, so that it can free it itself at the end.
-	p, err := env.Ctx.Alloc(4096)
-	if err != nil {
-		t.Fatal(err)
-	}
 	e := newExporter(t, env)
 	c := sharetest.Start(t, "rawconsumer", sharetest.EnvParam(sharetest.ParamPath, e.Addr()))
 	c.Expect("CONNECTED")
 	if err := e.WaitConsumers(ctx, 1); err != nil {
 		t.Fatal(err)
 	}
-	b, err := e.Register(p, 4096)
+	r, err := e.NewRing(1, 4096)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := sharetest.Fill(env.Ctx, p, 4096, 7); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.Offer(ctx, b, share.OfferOptions{Meta: sharetest.Meta(7)}); err != nil {
-		t.Fatal(err)
-	}
+	offerRing(t, env, e, r, 0, 1)
 	c.Expect("HELD 1")
 	c.Send("handoff")
 	pid, err := strconv.Atoi(c.Expect("HANDED "))
@@ -293,19 +285,20 @@ func TestConnectionHandedOff(t *testing.T) {
 		}
 	}
 	defer syscall.Kill(pid, syscall.SIGKILL) // if the test fails half-way
-	waitUntil(t, "the exporter to see the connection outlive its process", func() bool { return e.Stats().ConsumersUnwatched == 1 })
+	waitUntil(t, "the exporter to follow the connection to its new holder", func() bool { return e.Stats().ConsumersHandedOn == 1 })
 	holder(syscall.SIGUSR1) // the holder closes the connection, still mapping
 	waitUntil(t, "the connection to end", func() bool { return e.Stats().ConsumersLost == 1 })
 	short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	defer cancel()
-	if err := e.Retire(short, b); !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("Retire of memory a handed-off connection may map: %v, want to wait", err)
+	if err := r.Retire(short); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Retire of memory the holder may map: %v, want to wait", err)
 	}
 	holder(syscall.SIGTERM)
-	waitUntil(t, "the holder to exit", func() bool { return syscall.Kill(pid, 0) != nil })
-	e.Close()
-	if err := env.Ctx.Free(p); err != nil {
-		t.Fatal(err)
+	if err := r.Retire(ctx); err != nil {
+		t.Fatalf("Retire once the holder exited: %v", err)
+	}
+	if s := shutdown(t, e); s.ConsumersUnwatched != 0 || s.Leases != 0 {
+		t.Errorf("exporter stats %+v", s)
 	}
 }
 

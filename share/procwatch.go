@@ -34,7 +34,7 @@ type procWatch struct {
 	start uint64   // for polling: the start time seen at connect; 0 unknown
 
 	// Guarded by Exporter.mu.
-	cons   map[*consumer]struct{} // the consumers it watches for
+	cons   map[*consumer]struct{} // the consumers whose connection it held
 	exited bool                   // the process has exited
 	stop   context.CancelFunc     // ends the watching goroutine
 }
@@ -136,4 +136,34 @@ func procStart(pid int) (uint64, bool) {
 	}
 	start, err := strconv.ParseUint(string(f[19]), 10, 64)
 	return start, err == nil
+}
+
+// socketHolders returns the processes, other than skip, with a descriptor
+// of the socket with inode ino, from a scan of /proc. Processes of other
+// users, which this one may not look into, are not seen.
+func socketHolders(ino uint64, skip int) ([]int, error) {
+	want := "socket:[" + strconv.FormatUint(ino, 10) + "]"
+	procs, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil, err
+	}
+	var pids []int
+	for _, p := range procs {
+		pid, err := strconv.Atoi(p.Name())
+		if err != nil || pid == skip {
+			continue
+		}
+		dir := "/proc/" + p.Name() + "/fd/"
+		fds, err := os.ReadDir(dir)
+		if err != nil {
+			continue // gone, or not ours to look into
+		}
+		for _, fd := range fds {
+			if link, err := os.Readlink(dir + fd.Name()); err == nil && link == want {
+				pids = append(pids, pid)
+				break
+			}
+		}
+	}
+	return pids, nil
 }
