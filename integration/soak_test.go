@@ -34,7 +34,7 @@ var soak = flag.Bool("soak", false, "run TestSoak (also CUDASHARE_SOAK=1): 70 s 
 // Asserted: steady, slow, pauser and (from its start) the replacement each
 // get more batches in every 10-second window; the producer's descriptor
 // count at the end, once the floods are gone, is within 16 of its count
-// after warm-up (second 5), and its thread count within 8; every good
+// after warm-up (second 5), and its goroutine count (its -report-every line) within 8; every good
 // consumer ends with the producer's goodbye, every verified batch right;
 // the producer exits 0 having dropped at least the stopped consumer; and,
 // as after every test, no simulator violation and no memory left.
@@ -45,7 +45,7 @@ func TestSoak(t *testing.T) {
 	const seconds = 70
 	e := newEnv(t, "")
 	prod := e.producer("-ring", "8", "-size", "64KiB", "-consumers", "5", "-lease-timeout", "3s", "-write-timeout", "2s",
-		"-max-leases", "4", "-shutdown-timeout", "15s", "-v")
+		"-max-leases", "4", "-shutdown-timeout", "15s", "-v", "-report-every", "200ms")
 	common := []string{"-write-timeout", "2s", "-report-every", "1s", "-verify", "sample:25"}
 	cons := func(name string, args ...string) *proc { return e.consumer(name, append(args, common...)...) }
 	steady := cons("steady", "-work", "2ms")
@@ -58,7 +58,7 @@ func TestSoak(t *testing.T) {
 
 	good := []*proc{steady, slow, pauser}
 	last := map[*proc]uint64{}
-	var fds0, threads0 int
+	var fds0, gor0 int
 	var silent, idle, churn *proc
 	for sec := 1; sec <= seconds; sec++ {
 		time.Sleep(time.Second)
@@ -67,7 +67,7 @@ func TestSoak(t *testing.T) {
 		}
 		switch sec {
 		case 5:
-			fds0, threads0 = prod.fds(), prod.threads()
+			fds0, gor0 = prod.fds(), prod.goroutines()
 			silent = e.hostile("silent-refresh")
 		case 15:
 			dropped.signal(syscall.SIGSTOP)
@@ -109,24 +109,24 @@ func TestSoak(t *testing.T) {
 		}
 	}
 	dropped.expectExit(app.ExitDropped, 20*time.Second)
-	mustContain(t, "the dropped consumer's error", dropped.stderr.String(), "held a batch longer than the producer's lease timeout")
+	mustContain(t, "the dropped consumer's error", dropped.stderr.String(), "the producer dropped this consumer for a timeout", "longer than the producer's lease timeout")
 	for _, h := range []*proc{idle, churn} {
 		h.expectExit(0, 20*time.Second)
 	}
 	silent.cmd.Process.Kill()
 	silent.wait(10 * time.Second)
 
-	var fds, threads int
+	var fds, gor int
 	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		if fds, threads = prod.fds(), prod.threads(); fds <= fds0+16 && threads <= threads0+8 {
+		if fds, gor = prod.fds(), prod.goroutines(); fds <= fds0+16 && gor <= gor0+8 {
 			break
 		}
 		if time.Now().After(deadline) {
-			t.Errorf("the producer holds %d descriptors and %d threads after the floods, %d and %d after warm-up", fds, threads, fds0, threads0)
+			t.Errorf("the producer holds %d descriptors and %d goroutines after the floods, %d and %d after warm-up", fds, gor, fds0, gor0)
 			break
 		}
 	}
-	t.Logf("producer: %d descriptors and %d threads after warm-up, %d and %d at the end", fds0, threads0, fds, threads)
+	t.Logf("producer: %d descriptors and %d goroutines after warm-up, %d and %d at the end", fds0, gor0, fds, gor)
 
 	prod.signal(syscall.SIGTERM)
 	for _, c := range good {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"runtime"
 	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
@@ -40,6 +41,7 @@ type producerConfig struct {
 	leaseTimeout    time.Duration
 	maxLeases       int
 	writeTimeout    time.Duration
+	reportEvery     time.Duration
 	json            bool
 	verbose         bool
 }
@@ -66,6 +68,7 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.DurationVar(&cfg.shutdownTimeout, "shutdown-timeout", 30*time.Second, "at the end, how long to wait for consumers to release and unmap the buffers")
 	fs.DurationVar(&cfg.leaseTimeout, "lease-timeout", share.DefaultLeaseTimeout, "drop a consumer that holds one batch longer than this (stopped or stuck), so that it cannot keep buffers from the others; negative: never")
 	fs.IntVar(&cfg.maxLeases, "max-leases", 0, "most batches one consumer holds at once, below the credits it asks for, so that a slow consumer cannot take the whole ring (0: only its credits)")
+	fs.DurationVar(&cfg.reportEvery, "report-every", 0, "print a JSON progress line (ProducerProgress: batches, consumers, leases, goroutines) to stdout this often, for scripts and tests watching a long run (0: none)")
 	fs.DurationVar(&cfg.writeTimeout, "write-timeout", 0, "drop a consumer that leaves the producer's messages unread this long (0: the transport's default, 10s)")
 	fs.BoolVar(&cfg.json, "json", false, "print one JSON line of results instead of the summary")
 	fs.BoolVar(&cfg.verbose, "v", false, "log consumers arriving and leaving")
@@ -90,12 +93,15 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	case cfg.maxLeases < 0:
 		fmt.Fprintln(stderr, "producer: -max-leases must not be negative")
 		return ExitUsage
+	case cfg.reportEvery < 0:
+		fmt.Fprintln(stderr, "producer: -report-every must not be negative")
+		return ExitUsage
 	case cfg.writeTimeout < 0:
 		fmt.Fprintln(stderr, "producer: -write-timeout must not be negative")
 		return ExitUsage
 	}
 
-	p := &producer{cfg: cfg, log: newLogger(stderr, "producer", cfg.verbose)}
+	p := &producer{stdout: stdout, cfg: cfg, log: newLogger(stderr, "producer", cfg.verbose)}
 	p.rep = ProducerReport{
 		Role: "producer", Device: cfg.device, Socket: cfg.socket, Mode: "ring", Broadcast: cfg.broadcast,
 		Event: cfg.event, Fill: cfg.fill, Size: cfg.size, Ring: cfg.ring, MemUsedBefore: -1, MemUsedAfter: -1,
@@ -123,9 +129,10 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 }
 
 type producer struct {
-	cfg producerConfig
-	log *slog.Logger
-	rep ProducerReport
+	stdout io.Writer
+	cfg    producerConfig
+	log    *slog.Logger
+	rep    ProducerReport
 }
 
 func (p *producer) run(ctx context.Context) error {
@@ -165,6 +172,15 @@ func (p *producer) run(ctx context.Context) error {
 		return explainListen(p.cfg.socket, err)
 	}
 	p.log.Info("listening", "socket", exp.Addr(), "driver", dev.d.Backend(), "device", p.cfg.device, "uuid", dev.dev.UUID())
+	if p.cfg.reportEvery > 0 {
+		done, finished := make(chan struct{}), make(chan struct{})
+		go func() {
+			defer close(finished)
+			p.reportLoop(exp, done)
+		}()
+		// No progress line may follow the final report.
+		defer func() { close(done); <-finished }()
+	}
 
 	// From here every path ends in Shutdown: nothing is freed while a
 	// consumer may still map it, and everything is freed once none does.
@@ -354,6 +370,28 @@ func (p *producer) offer(ctx context.Context, exp *share.Exporter, b *share.Buff
 			return err
 		}
 		p.log.Debug("the consumer went away before the offer; offering again", "err", err)
+	}
+}
+
+// reportLoop prints a ProducerProgress line every -report-every until
+// done: how a script (or the soak test) watches a long-running producer's
+// consumers and whether anything grows that should not.
+func (p *producer) reportLoop(exp *share.Exporter, done <-chan struct{}) {
+	start := time.Now()
+	t := time.NewTicker(p.cfg.reportEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-done:
+			return
+		case <-t.C:
+			st := exp.Stats()
+			writeJSON(p.stdout, &ProducerProgress{
+				Role: "producer-progress", Offers: st.Offers, Consumers: st.Consumers, Leases: st.Leases,
+				ConsumersLost: st.ConsumersLost, ConsumersDropped: st.ConsumersDropped,
+				Goroutines: runtime.NumGoroutine(), Seconds: seconds(time.Since(start)),
+			})
+		}
 	}
 }
 

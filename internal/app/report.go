@@ -109,6 +109,21 @@ type ConsumerProgress struct {
 	Seconds      float64 `json:"seconds"` // since the batches started
 }
 
+// ProducerProgress is the line the producer prints every -report-every:
+// counts so far, and its goroutines, which must not grow with connections
+// that have come and gone. Its role, "producer-progress", tells it from
+// the final ProducerReport, which always comes last.
+type ProducerProgress struct {
+	Role             string  `json:"role"` // "producer-progress"
+	Offers           uint64  `json:"offers"`
+	Consumers        int     `json:"consumers"`
+	Leases           int     `json:"leases"`
+	ConsumersLost    uint64  `json:"consumers_lost"`
+	ConsumersDropped uint64  `json:"consumers_dropped"`
+	Goroutines       int     `json:"goroutines"`
+	Seconds          float64 `json:"seconds"` // since the producer listened
+}
+
 func writeJSON(w io.Writer, v any) {
 	b, err := json.Marshal(v)
 	if err != nil {
