@@ -31,6 +31,7 @@ type consumer struct {
 	conn    *transport.Conn
 	peer    transport.Peer
 	watches []*procWatch // processes that held the connection; Exporter.mu
+	proc    *procWatch   // the process that opened it (nil: unknown pid)
 
 	// Guarded by Exporter.mu.
 	window, out uint64 // credits granted; offers not released
@@ -69,6 +70,31 @@ type leaseSlot struct {
 	// epoch is the lease clock's reading when the offer was made; the
 	// lease janitor compares it with the clock's.
 	epoch uint64
+}
+
+// addOut changes the count of c's outstanding leases, and its process's.
+// mu held.
+func (c *consumer) addOut(d int) {
+	c.out = uint64(int64(c.out) + int64(d))
+	if c.proc != nil {
+		c.proc.leases += d
+		if c.ended {
+			c.proc.lost += d
+		}
+	}
+}
+
+// loadLocked is what Offer compares to pick a consumer, lowest first:
+// whether c's process holds leases through a connection that ended
+// without a goodbye (they stay leased while it lives, as it may map them:
+// a process that keeps connecting, taking buffers and hanging up gets a
+// buffer only when no other consumer can take one), then the leases its
+// process holds through all its connections.
+func (c *consumer) loadLocked() (lost bool, leases uint64) {
+	if c.proc != nil {
+		return c.proc.lost > 0, uint64(c.proc.leases)
+	}
+	return false, c.out
 }
 
 // capLocked is how many leases c may hold at once.
@@ -222,7 +248,7 @@ func (e *Exporter) onRelease(c *consumer, seqs []uint64) error {
 		b := s.b
 		s.b = nil
 		c.freeSlots = append(c.freeSlots, idx)
-		c.out--
+		c.addOut(-1)
 		e.stats.Releases++
 		e.unmapLeaseLocked(c, b)
 		e.unleaseLocked(b)
@@ -293,6 +319,9 @@ func (e *Exporter) onGone(c *consumer, err error) {
 	defer e.mu.Unlock()
 	e.deactivateLocked(c)
 	c.ended = true
+	if c.proc != nil {
+		c.proc.lost += int(c.out)
+	}
 	clean := c.saidBye || c.sentBye
 	if !clean && e.life.Err() == nil {
 		e.stats.ConsumersLost++
@@ -343,7 +372,8 @@ func (e *Exporter) dropLocked(c *consumer) {
 			e.unleaseLocked(b)
 		}
 	}
-	c.slots, c.freeSlots, c.out = nil, nil, 0
+	c.addOut(-int(c.out))
+	c.slots, c.freeSlots = nil, nil
 	for rec := range c.allocs {
 		delete(rec.mappers, c)
 	}
@@ -377,6 +407,9 @@ func (e *Exporter) watchLocked(c *consumer, pid int) {
 	if _, ok := w.cons[c]; !ok {
 		w.cons[c] = struct{}{}
 		c.watches = append(c.watches, w)
+	}
+	if c.proc == nil && len(c.watches) == 1 {
+		c.proc = w
 	}
 }
 

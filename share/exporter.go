@@ -568,13 +568,16 @@ func (e *Exporter) offerableLocked(b *Buffer) error {
 }
 
 // pickLocked returns the consumer to lend to next, or nil if none can
-// take a lease: of those below their cap, the one holding the fewest
-// leases, ties going round-robin. So a consumer that stops releasing
-// stops being picked once it holds more than the others, and can never
-// hold much more than its share of what is lent.
+// take a lease: of those below their cap, the one whose process holds the
+// fewest leases, after every one whose process holds none through a lost
+// connection (loadLocked), ties going round-robin. So a consumer that
+// stops releasing stops being picked once it holds more than the others,
+// and can never hold much more than its share of what is lent.
 func (e *Exporter) pickLocked() *consumer {
 	n := len(e.consumers)
 	var best *consumer
+	var bestLost bool
+	var bestLoad uint64
 	at := 0
 	for i := range n {
 		j := e.rr + i
@@ -582,11 +585,15 @@ func (e *Exporter) pickLocked() *consumer {
 			j -= n
 		}
 		c := e.consumers[j]
-		if c.out >= e.capLocked(c) || (best != nil && c.out >= best.out) {
+		if c.out >= e.capLocked(c) {
 			continue
 		}
-		best, at = c, j
-		if c.out == 0 {
+		lost, load := c.loadLocked()
+		if best != nil && (lost && !bestLost || lost == bestLost && load >= bestLoad) {
+			continue
+		}
+		best, at, bestLost, bestLoad = c, j, lost, load
+		if !lost && load == 0 {
 			break
 		}
 	}
@@ -614,7 +621,7 @@ func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64) {
 	s.b = b
 	s.sent = false
 	s.epoch = e.epoch
-	c.out++
+	c.addOut(1)
 	b.leases++
 	b.sending++
 	b.offers++
@@ -678,7 +685,7 @@ func (e *Exporter) finishLocked(c *consumer, b *Buffer, seq uint64, err error) {
 		if s := &c.slots[idx]; s.b == b && s.gen == uint32(seq>>32) {
 			s.b = nil
 			c.freeSlots = append(c.freeSlots, idx)
-			c.out--
+			c.addOut(-1)
 			b.leases--
 			e.stats.Leases--
 			e.unmapLeaseLocked(c, b)

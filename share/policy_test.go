@@ -81,6 +81,60 @@ func TestOfferFairShare(t *testing.T) {
 	}
 }
 
+// TestGrabbingProcessCannotPinTheRing: a live process that keeps
+// connecting, taking a buffer and hanging up without a goodbye pins what
+// it took while it lives (it may still map it); picking by the leases of
+// the whole process, lost connections included, keeps it from taking more
+// than its share, and the good consumer is served throughout.
+func TestGrabbingProcessCannotPinTheRing(t *testing.T) {
+	env := sharetest.Setup(t)
+	mem := env.FreeMemory(t)
+	defer env.CheckMemory(t, mem)
+	e := newExporter(t, env)
+	good := startConsumer(t, e)
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(8, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := sharetest.Start(t, "grabber", sharetest.EnvParam(sharetest.ParamPath, e.Addr()), sharetest.EnvParam(sharetest.ParamCount, 20))
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		g.Expect("GRABBED ")
+	}()
+	n := 0
+	for ; ; n++ {
+		select {
+		case <-done:
+		default:
+			offerRing(t, env, e, r, n, 1)
+			continue
+		}
+		break
+	}
+	// A lost connection counts once the exporter has seen it end, so a
+	// grabber that reconnects at once can win a few races; never half the
+	// ring.
+	waitUntil(t, "the good consumer to release", func() bool { return e.Stats().Leases < 8 })
+	s := e.Stats()
+	t.Logf("the grabbing process pins %d of the ring's 8 buffers; %d offers", s.Leases, s.Offers)
+	if s.Leases >= 4 {
+		t.Errorf("the grabbing process pins %d of the ring's 8 buffers", s.Leases)
+	}
+	g.Send("exit")
+	g.Wait()
+	offerRing(t, env, e, r, n, 10)
+	shutdown(t, e)
+	var rep sharetest.ConsumerReport
+	good.Report(&rep)
+	good.Wait()
+	checkConsumer(t, &rep, rep.Leases)
+}
+
 // TestMaxLeasesPerConsumer: the cap holds a consumer below its credits.
 func TestMaxLeasesPerConsumer(t *testing.T) {
 	env := sharetest.Setup(t)

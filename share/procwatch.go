@@ -36,6 +36,8 @@ type procWatch struct {
 	// Guarded by Exporter.mu.
 	cons   map[*consumer]struct{} // the consumers whose connection it held
 	exited bool                   // the process has exited
+	leases int                    // held through the connections it opened
+	lost   int                    // of those, held through connections that ended
 	stop   context.CancelFunc     // ends the watching goroutine
 }
 

@@ -62,6 +62,7 @@ var routines = map[string]func(*ChildEnv) error{
 	"freeonbye":   freeOnGoodbye,
 	"export":      exportHandle,
 	"holder":      holder,
+	"grabber":     grabber,
 }
 
 // Param returns the integer parameter name, or def.
@@ -545,6 +546,35 @@ func rawConsumer(ce *ChildEnv) error {
 		}
 		fmt.Println(strings.ToUpper(cmd))
 	}
+}
+
+// grabber connects ParamCount times, each time waiting briefly for one
+// offer and hanging up without a goodbye or a release: what it was lent
+// stays leased while it lives, as it may map it. It prints GRABBED n (the
+// offers it got), then waits for "exit".
+func grabber(ce *ChildEnv) error {
+	cfg := transport.DefaultConfig(transport.RoleConsumer)
+	cfg.Devices = []transport.UUID{transport.UUID(ce.Ctx.Device().UUID())}
+	cfg.Credits = 1
+	got := 0
+	for range Param(ParamCount, 20) {
+		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+		conn, err := transport.Dial(ctx, os.Getenv(ParamPath), cfg)
+		if err == nil {
+			var m transport.Message
+			for conn.Recv(ctx, &m) == nil {
+				if m.Kind == transport.KindOffer {
+					got++
+					break
+				}
+			}
+			conn.Close()
+		}
+		cancel()
+	}
+	fmt.Printf("GRABBED %d\n", got)
+	ce.waitLine("exit")
+	return nil
 }
 
 // socketFDs returns the socket descriptors this process has open.
