@@ -33,10 +33,10 @@ func BenchmarkReleaseEncodeDecode(b *testing.B) {
 	var d decoder
 	var m Message
 	seqs := []uint64{1 << 40}
-	buf := appendRelease(nil, seqs)
+	buf := appendRelease(nil, seqs, nil)
 	b.ReportAllocs()
 	for b.Loop() {
-		buf = appendRelease(buf[:0], seqs)
+		buf = appendRelease(buf[:0], seqs, nil)
 		if _, err := d.decode(buf[headerSize:], &m); err != nil {
 			b.Fatal(err)
 		}

@@ -24,6 +24,10 @@ type Config struct {
 	// offer. Without it, a peer that sends descriptors is a protocol error
 	// and the descriptors are closed.
 	AcceptFDs bool
+	// ReleaseEvents advertises CapReleaseEvents: this side, a producer,
+	// honours the events releases carry. Without it, a release that
+	// carries one is a protocol error.
+	ReleaseEvents bool
 	// AllowedUIDs are the peer users allowed to connect. Empty means this
 	// process's effective user only.
 	AllowedUIDs []uint32
@@ -185,8 +189,12 @@ func (cfg *Config) resolveLimits(def *Config) error {
 }
 
 func (cfg *Config) caps() Caps {
+	var c Caps
 	if cfg.AcceptFDs {
-		return CapFDs
+		c |= CapFDs
 	}
-	return 0
+	if cfg.ReleaseEvents {
+		c |= CapReleaseEvents
+	}
+	return c
 }

@@ -483,6 +483,9 @@ func (c *Conn) admit(kind Kind, m *Message) error {
 			m.Offer.FDs = c.fdOut[:nfds:nfds]
 		}
 	case KindRelease:
+		if m.HasReleaseEvent && !c.cfg.ReleaseEvents {
+			return fmt.Errorf("%w: a release with an event, and this side did not advertise CapReleaseEvents", ErrNotSupported)
+		}
 		c.mu.Lock()
 		defer c.mu.Unlock()
 		n := uint64(len(m.Seqs))
@@ -596,6 +599,23 @@ func (c *Conn) SendOffer(ctx context.Context, o *Offer) error {
 // numbers, in as many messages as MaxReleaseSeqs requires. Only a consumer
 // sends releases, and only for offers it holds.
 func (c *Conn) SendRelease(ctx context.Context, seqs ...uint64) error {
+	return c.sendRelease(ctx, nil, seqs)
+}
+
+// SendReleaseAfter queues a stream-ordered release: the offers are
+// released once the work recorded by the interprocess event ev (a
+// CUipcEventHandle) is done; the producer's next write of them waits for
+// the event on the GPU. Only to a producer that advertised
+// CapReleaseEvents (else ErrNotSupported); the event must have been
+// recorded before the call.
+func (c *Conn) SendReleaseAfter(ctx context.Context, ev IPCHandle, seqs ...uint64) error {
+	if c.peer.Caps&CapReleaseEvents == 0 {
+		return fmt.Errorf("%w: %s does not take release events", ErrNotSupported, c.desc)
+	}
+	return c.sendRelease(ctx, &ev, seqs)
+}
+
+func (c *Conn) sendRelease(ctx context.Context, ev *IPCHandle, seqs []uint64) error {
 	if err := c.may(KindRelease); err != nil {
 		return err
 	}
@@ -610,7 +630,7 @@ func (c *Conn) SendRelease(ctx context.Context, seqs ...uint64) error {
 		}
 		c.outstanding -= uint64(n)
 		off := len(c.out)
-		c.out = appendRelease(c.out, seqs[:n])
+		c.out = appendRelease(c.out, seqs[:n], ev)
 		c.unlockAndKick(off)
 		seqs = seqs[n:]
 	}

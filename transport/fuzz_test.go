@@ -22,19 +22,20 @@ func seedStreams() map[string][]byte {
 	o := testOffer()
 	h := hello{kind: KindHello, version: Version, role: RoleConsumer, pid: 77, devices: []UUID{{1}, {2}}, caps: CapFDs, credits: 64}
 	seeds := map[string][]byte{
-		"offer":     appendOffer(nil, &o),
-		"release":   appendRelease(nil, []uint64{1, 2, 1 << 40}),
-		"retire":    appendUintMsg(nil, KindRetire, 5),
-		"closed":    appendUintMsg(nil, KindClosed, 5),
-		"credit":    appendUintMsg(nil, KindCredit, 8),
-		"goodbye":   appendGoodbye(nil, "done"),
-		"error":     appendError(nil, codeCredit, "too many"),
-		"hello":     appendHello(nil, &h),
-		"hello-ack": appendHello(nil, &hello{kind: KindHelloAck, version: Version, role: RoleProducer}),
+		"offer":         appendOffer(nil, &o),
+		"release":       appendRelease(nil, []uint64{1, 2, 1 << 40}, nil),
+		"release-event": appendRelease(nil, []uint64{7}, &IPCHandle{1, 2, 3}),
+		"retire":        appendUintMsg(nil, KindRetire, 5),
+		"closed":        appendUintMsg(nil, KindClosed, 5),
+		"credit":        appendUintMsg(nil, KindCredit, 8),
+		"goodbye":       appendGoodbye(nil, "done"),
+		"error":         appendError(nil, codeCredit, "too many"),
+		"hello":         appendHello(nil, &h),
+		"hello-ack":     appendHello(nil, &hello{kind: KindHelloAck, version: Version, role: RoleProducer}),
 	}
 	stream := appendHello(nil, &h)
 	stream = appendOffer(stream, &o)
-	stream = appendRelease(stream, []uint64{3})
+	stream = appendRelease(stream, []uint64{3}, nil)
 	seeds["stream"] = appendGoodbye(stream, "")
 	for _, bad := range badBodies() {
 		seeds["bad-"+strings.ReplaceAll(bad.name, " ", "-")] = frame(bad.body)
@@ -102,7 +103,11 @@ func FuzzDecode(f *testing.F) {
 				o.FDs = make([]int, d.nfds)
 				again = appendOffer(nil, &o)
 			case KindRelease:
-				again = appendRelease(nil, m.Seqs)
+				var ev *IPCHandle
+				if m.HasReleaseEvent {
+					ev = &m.ReleaseEvent
+				}
+				again = appendRelease(nil, m.Seqs, ev)
 			case KindRetire, KindClosed:
 				again = appendUintMsg(nil, kind, m.AllocID)
 			case KindCredit:

@@ -34,6 +34,12 @@ type Caps uint64
 // CapFDs says that the side accepts file descriptors with an offer.
 const CapFDs Caps = 1 << 0
 
+// CapReleaseEvents says that the side (a producer) honours the event a
+// release may carry: it does not write a released buffer again before the
+// event's work is done (PROTOCOL.md, section 4, release). A consumer sends
+// release events only to a producer that advertised it.
+const CapReleaseEvents Caps = 1 << 1
+
 // UUID identifies a CUDA device (CUuuid). Devices are named by UUID on the
 // wire because CUDA_VISIBLE_DEVICES renumbers ordinals per process.
 type UUID [16]byte
@@ -108,6 +114,11 @@ type Message struct {
 	Offer Offer
 	// Seqs are the released sequence numbers, for KindRelease.
 	Seqs []uint64
+	// ReleaseEvent, if HasReleaseEvent, is the interprocess event
+	// (CUipcEventHandle) recorded after the consumer's last use of the
+	// released buffers, for KindRelease.
+	ReleaseEvent    IPCHandle
+	HasReleaseEvent bool
 	// AllocID is the allocation retired (KindRetire) or closed (KindClosed).
 	AllocID uint64
 	// Credits is the number of offers granted, for KindCredit.

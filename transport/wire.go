@@ -77,10 +77,12 @@ const (
 	helloFields   = 8
 	offerFields   = 12
 	releaseFields = 2
-	allocFields   = 2 // retire, closed
-	creditFields  = 2
-	goodbyeFields = 2
-	errorFields   = 3
+	// releaseEventFields: a release that carries an event.
+	releaseEventFields = 3
+	allocFields        = 2 // retire, closed
+	creditFields       = 2
+	goodbyeFields      = 2
+	errorFields        = 3
 )
 
 // hello is the body of a hello or hello-ack message.
@@ -210,13 +212,20 @@ func appendOffer(b []byte, o *Offer) []byte {
 	return endFrame(b, start)
 }
 
-func appendRelease(b []byte, seqs []uint64) []byte {
+func appendRelease(b []byte, seqs []uint64, ev *IPCHandle) []byte {
 	b, start := beginFrame(b)
-	b = appendArrayLen(b, releaseFields)
+	if ev == nil {
+		b = appendArrayLen(b, releaseFields)
+	} else {
+		b = appendArrayLen(b, releaseEventFields)
+	}
 	b = append(b, byte(KindRelease))
 	b = appendArrayLen(b, len(seqs))
 	for _, s := range seqs {
 		b = appendUint(b, s)
+	}
+	if ev != nil {
+		b = appendBin(b, ev[:])
 	}
 	return endFrame(b, start)
 }
@@ -619,7 +628,7 @@ func (d *decoder) decode(body []byte, m *Message) (Kind, error) {
 		want = offerFields
 		err = d.decodeOffer(&r, n, &m.Offer)
 	case KindRelease:
-		want = releaseFields
+		want = min(max(n, releaseFields), releaseEventFields)
 		err = d.decodeRelease(&r, n, m)
 	case KindRetire, KindClosed:
 		want = allocFields
@@ -807,5 +816,13 @@ func (d *decoder) decodeRelease(r *reader, n int, m *Message) error {
 		}
 	}
 	m.Seqs = d.seqs[:ns:ns]
+	// The optional event (section 4): nil or bin(64).
+	m.HasReleaseEvent = false
+	if n > releaseFields && !r.isNil() {
+		if err := r.binN("release.event_handle", m.ReleaseEvent[:]); err != nil {
+			return err
+		}
+		m.HasReleaseEvent = true
+	}
 	return nil
 }

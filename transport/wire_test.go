@@ -98,7 +98,7 @@ func TestStandardMsgpack(t *testing.T) {
 		{"offer", appendOffer(nil, &o), []any{uint64(KindOffer), o.Seq, o.AllocID, o.Generation, o.Handle[:],
 			o.AllocSize, o.Offset, o.Size, o.Device[:], o.Event[:],
 			map[string]any{"shape": []any{int64(2), int64(3)}, "dtype": "float32"}, uint64(0)}},
-		{"release", appendRelease(nil, []uint64{1, 300, 1 << 33}), []any{uint64(KindRelease), []any{uint64(1), uint64(300), uint64(1 << 33)}}},
+		{"release", appendRelease(nil, []uint64{1, 300, 1 << 33}, nil), []any{uint64(KindRelease), []any{uint64(1), uint64(300), uint64(1 << 33)}}},
 		{"retire", appendUintMsg(nil, KindRetire, 77), []any{uint64(KindRetire), uint64(77)}},
 		{"closed", appendUintMsg(nil, KindClosed, 77), []any{uint64(KindClosed), uint64(77)}},
 		{"credit", appendUintMsg(nil, KindCredit, 16), []any{uint64(KindCredit), uint64(16)}},
@@ -283,7 +283,7 @@ func TestEncodeDecodeAllocs(t *testing.T) {
 		if _, err := d.decode(buf[headerSize:], &m); err != nil {
 			t.Fatal(err)
 		}
-		buf = appendRelease(buf[:0], seqs)
+		buf = appendRelease(buf[:0], seqs, nil)
 		if _, err := d.decode(buf[headerSize:], &m); err != nil {
 			t.Fatal(err)
 		}
