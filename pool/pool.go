@@ -12,19 +12,42 @@ import (
 
 	"golang.org/x/sync/errgroup"
 
+	"github.com/seed743c36cf/cudashare/driver"
 	"github.com/seed743c36cf/cudashare/share"
 )
 
 // Handler processes one lease. It must not keep the lease, its pointer or
 // anything that refers to the leased memory after it returns: the pool
-// releases the lease then. Work it queues on a stream must have been
-// waited for, or be ordered before anything that reuses the memory.
+// releases the lease then. GPU work on the memory goes on the lease's
+// stream (l.Stream(), ready for it); with Config.ReleaseAfter that work
+// may still be queued when the handler returns, otherwise it must have
+// been waited for.
 type Handler func(ctx context.Context, l *share.Lease) error
 
-// shutdownTimeout bounds the importer's shutdown after the workers are
-// done. It only waits for releases the pool has already made, so it is
-// quick unless the importer's connection is stuck.
-const shutdownTimeout = 10 * time.Second
+// Config configures a pool. The zero value is one worker whose leases are
+// ready on the importer's stream, released when its handler returns.
+type Config struct {
+	// Workers is how many leases are worked on at once: one per worker
+	// goroutine. 0 means 1; negative is an error.
+	Workers int
+	// Context, if not nil, gives each worker a stream of its own in it
+	// (non-blocking, so it does not wait for the legacy NULL stream): the
+	// worker's leases are made ready on it (Importer.NextOn) and a handler
+	// queues its GPU work there (Lease.Stream), so that workers' GPU work
+	// overlaps. It must be the importer's context.
+	Context *driver.Context
+	// ReleaseAfter releases each lease after the GPU work its handler
+	// queued on the lease's stream (Lease.ReleaseAfter), with no host
+	// wait: the producer's next write of the buffer waits for that work
+	// on the GPU. Without it, the handler must have waited for its work.
+	ReleaseAfter bool
+	// ShutdownTimeout bounds the importer's shutdown once the workers are
+	// done. It only waits for releases already made, so it is quick unless
+	// the connection is stuck. 0 means 10s.
+	ShutdownTimeout time.Duration
+}
+
+const defaultShutdownTimeout = 10 * time.Second
 
 // PanicError is a handler panic turned into an error.
 type PanicError struct {
@@ -44,40 +67,80 @@ func (e *PanicError) Unwrap() error {
 
 // Pool is a running set of workers; see Start.
 type Pool struct {
-	g    *errgroup.Group
-	ctx  context.Context
-	imp  *share.Importer
-	done chan struct{}
-	err  error
+	g       *errgroup.Group
+	ctx     context.Context
+	imp     *share.Importer
+	cfg     Config
+	streams []*driver.Stream
+	done    chan struct{}
+	err     error
 }
 
 // Start starts workers goroutines that take leases from imp and run h on
 // each, until ctx is cancelled, a handler fails, or the producer goes
-// away. The errgroup's limit is the number of workers: one lease per
-// worker is held at most, so the pool never takes more leases than it can
-// work on.
+// away; it is StartWith with Config{Workers: workers}.
 func Start(ctx context.Context, imp *share.Importer, workers int, h Handler) *Pool {
-	if imp == nil || h == nil {
-		p := &Pool{done: make(chan struct{}), err: errors.New("pool: Start with a nil importer or handler")}
-		close(p.done)
-		return p
-	}
-	if workers < 1 {
-		workers = 1
-	}
-	g, gctx := errgroup.WithContext(ctx)
-	g.SetLimit(workers)
-	p := &Pool{g: g, ctx: ctx, imp: imp, done: make(chan struct{})}
-	for range workers {
-		g.Go(func() error { return work(gctx, imp, h) })
-	}
-	go p.finish()
-	return p
+	return StartWith(ctx, imp, Config{Workers: max(workers, 1)}, h)
 }
 
 // Run is Start followed by Wait.
 func Run(ctx context.Context, imp *share.Importer, workers int, h Handler) error {
 	return Start(ctx, imp, workers, h).Wait()
+}
+
+// RunWith is StartWith followed by Wait.
+func RunWith(ctx context.Context, imp *share.Importer, cfg Config, h Handler) error {
+	return StartWith(ctx, imp, cfg, h).Wait()
+}
+
+// StartWith starts cfg.Workers goroutines that take leases from imp and
+// run h on each, until ctx is cancelled, a handler fails, or the producer
+// goes away. The errgroup's limit is the number of workers: one lease per
+// worker is held at most, so the pool never takes more leases than it can
+// work on.
+func StartWith(ctx context.Context, imp *share.Importer, cfg Config, h Handler) *Pool {
+	failed := func(err error) *Pool {
+		p := &Pool{done: make(chan struct{}), err: err}
+		close(p.done)
+		return p
+	}
+	switch {
+	case imp == nil || h == nil:
+		return failed(errors.New("pool: Start with a nil importer or handler"))
+	case cfg.Workers < 0:
+		return failed(fmt.Errorf("pool: %d workers", cfg.Workers))
+	case cfg.ShutdownTimeout < 0:
+		return failed(errors.New("pool: negative ShutdownTimeout"))
+	}
+	cfg.Workers = max(cfg.Workers, 1)
+	if cfg.ShutdownTimeout == 0 {
+		cfg.ShutdownTimeout = defaultShutdownTimeout
+	}
+	var streams []*driver.Stream
+	if cfg.Context != nil {
+		for range cfg.Workers {
+			s, err := cfg.Context.NewStream(true)
+			if err != nil {
+				for _, s := range streams {
+					s.Close()
+				}
+				return failed(fmt.Errorf("pool: a stream for each worker: %w", err))
+			}
+			streams = append(streams, s)
+		}
+	}
+	g, gctx := errgroup.WithContext(ctx)
+	g.SetLimit(cfg.Workers)
+	p := &Pool{g: g, ctx: ctx, imp: imp, cfg: cfg, streams: streams, done: make(chan struct{})}
+	for i := range cfg.Workers {
+		w := worker{imp: imp, h: h, releaseAfter: cfg.ReleaseAfter}
+		if streams != nil {
+			w.stream, w.own = streams[i], true
+		}
+		g.Go(func() error { return w.work(gctx) })
+	}
+	go p.finish()
+	return p
 }
 
 // Wait waits for the workers and the importer's shutdown, and returns the
@@ -95,19 +158,39 @@ func (p *Pool) finish() {
 	if err == nil {
 		err = p.ctx.Err()
 	}
-	sctx, cancel := context.WithTimeout(context.WithoutCancel(p.ctx), shutdownTimeout)
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(p.ctx), p.cfg.ShutdownTimeout)
 	defer cancel()
+	// The importer waits for the stream-ordered releases' work before it
+	// closes the mappings; then the streams can go.
 	if serr := p.imp.Shutdown(sctx); serr != nil && err == nil {
 		err = fmt.Errorf("pool: importer shutdown: %w", serr)
+	}
+	for _, s := range p.streams {
+		if cerr := s.Close(); cerr != nil && err == nil {
+			err = fmt.Errorf("pool: close a worker's stream: %w", cerr)
+		}
 	}
 	p.err = err
 }
 
-// work is one worker: it takes leases until the context ends or the
-// importer has no more.
-func work(ctx context.Context, imp *share.Importer, h Handler) error {
+// worker takes leases until the context ends or the importer has no more.
+type worker struct {
+	imp          *share.Importer
+	h            Handler
+	stream       *driver.Stream // its own, or nil: the importer's
+	own          bool
+	releaseAfter bool
+}
+
+func (w *worker) work(ctx context.Context) error {
 	for {
-		l, err := imp.Next(ctx)
+		var l *share.Lease
+		var err error
+		if w.own {
+			l, err = w.imp.NextOn(ctx, w.stream)
+		} else {
+			l, err = w.imp.Next(ctx)
+		}
 		if err != nil {
 			switch {
 			case ctx.Err() != nil:
@@ -117,8 +200,19 @@ func work(ctx context.Context, imp *share.Importer, h Handler) error {
 			}
 			return err
 		}
-		err = call(ctx, h, l)
-		if rerr := l.Release(); err == nil && rerr != nil {
+		err = call(ctx, w.h, l)
+		var rerr error
+		if w.releaseAfter && err == nil {
+			rerr = l.ReleaseAfter(l.Stream())
+		} else {
+			// A handler that failed may have left anything queued: a
+			// host wait is the safe end.
+			if w.releaseAfter && l.Stream() != nil {
+				rerr = l.Stream().Synchronize()
+			}
+			rerr = errors.Join(rerr, l.Release())
+		}
+		if err == nil && rerr != nil {
 			err = fmt.Errorf("pool: release: %w", rerr)
 		}
 		if err != nil {

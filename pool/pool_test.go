@@ -7,10 +7,12 @@ import (
 	"errors"
 	"io"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/seed743c36cf/cudashare/driver"
 	"github.com/seed743c36cf/cudashare/pool"
 	"github.com/seed743c36cf/cudashare/share"
 	"github.com/seed743c36cf/cudashare/share/sharetest"
@@ -211,4 +213,78 @@ func TestCloseBeforeFree(t *testing.T) {
 	if rep := producerDone(t, p); rep.Stats.Retired != 2 || rep.Stats.Releases != 40 {
 		t.Errorf("producer: %+v", rep)
 	}
+}
+
+// TestWorkerStreamsReleaseAfter: with Config.Context each worker's leases
+// are ready on a stream of its own, four distinct streams for four
+// workers, and with ReleaseAfter every lease goes back stream-ordered
+// after the copy its handler queued there; the producer refills with
+// AcquireOn and every copy holds its own batch.
+func TestWorkerStreamsReleaseAfter(t *testing.T) {
+	env := sharetest.Setup(t)
+	p, im := dial(t, env, 8, sharetest.EnvParam(sharetest.ParamCount, 200), sharetest.EnvParam(sharetest.ParamStream, 1))
+	const workers = 4
+	scratch := make([]driver.DevicePtr, 0, workers)
+	for range workers {
+		d, err := env.Ctx.Alloc(4096)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer env.Ctx.Free(d)
+		scratch = append(scratch, d)
+	}
+	var mu sync.Mutex
+	streams := map[*driver.Stream]driver.DevicePtr{}
+	var n, bad atomic.Int32
+	err := pool.RunWith(sharetest.Ctx(t), im, pool.Config{Workers: workers, Context: env.Ctx, ReleaseAfter: true},
+		func(ctx context.Context, l *share.Lease) error {
+			s := l.Stream()
+			if s == nil {
+				return errors.New("a lease without its worker's stream")
+			}
+			mu.Lock()
+			d, ok := streams[s]
+			if !ok {
+				d = scratch[len(streams)%workers]
+				streams[s] = d
+			}
+			mu.Unlock()
+			seq, _ := sharetest.ParseMeta(l.Meta())
+			if err := env.Ctx.CopyDtoDAsync(d, l.Ptr(), l.Size(), s); err != nil {
+				return err
+			}
+			// What the copy read, checked once it has run.
+			if err := s.Synchronize(); err != nil {
+				return err
+			}
+			if err := sharetest.Check(env.Ctx, d, l.Size(), seq); err != nil {
+				bad.Add(1)
+			}
+			n.Add(1)
+			return nil
+		})
+	if err != nil {
+		t.Fatalf("RunWith: %v", err)
+	}
+	rep := producerDone(t, p)
+	if n.Load() != 200 || bad.Load() != 0 || len(streams) != workers {
+		t.Errorf("%d leases (%d wrong) on %d streams, want 200 on %d", n.Load(), bad.Load(), len(streams), workers)
+	}
+	if rep.Stats.OrderedReleases != 200 {
+		t.Errorf("producer saw %d stream-ordered releases of 200", rep.Stats.OrderedReleases)
+	}
+	checkImporter(t, im)
+}
+
+// TestConfigRefused: a pool with a negative worker count fails, saying so.
+func TestConfigRefused(t *testing.T) {
+	env := sharetest.Setup(t)
+	p, im := dial(t, env, 8, sharetest.EnvParam(sharetest.ParamCount, 1))
+	p.Expect("OFFERED")
+	err := pool.RunWith(sharetest.Ctx(t), im, pool.Config{Workers: -1}, func(context.Context, *share.Lease) error { return nil })
+	if err == nil || !strings.Contains(err.Error(), "-1 workers") {
+		t.Fatalf("RunWith with -1 workers: %v", err)
+	}
+	im.Close()
+	p.Wait()
 }

@@ -36,6 +36,61 @@ type Buffer struct {
 	freePending bool
 	freed       bool
 	idle        chan struct{} // closed when leases and sends reach zero; made by Wait
+	// after are the release events of consumers that released b
+	// stream-ordered: its next write waits on them (settle). settling is
+	// the other half of a double buffer, so that neither allocates.
+	after, settling []*consEvent
+}
+
+// waitAfterLocked makes b's next write wait on ce. mu held.
+func (b *Buffer) waitAfterLocked(ce *consEvent) {
+	for _, x := range b.after {
+		if x == ce {
+			return // the latest record of an event covers the earlier ones
+		}
+	}
+	b.after = append(b.after, ce)
+	ce.refs++
+}
+
+// settle makes stream s (nil: the host) wait for the work of the
+// stream-ordered releases of b, which no consumer holds now, so that work
+// on s after it may overwrite b. A dropped consumer's events are skipped:
+// its process, and its GPU work, are gone. One goroutine at a time.
+func (e *Exporter) settle(b *Buffer, s *driver.Stream) error {
+	e.mu.Lock()
+	if len(b.after) == 0 {
+		e.mu.Unlock()
+		return nil
+	}
+	set := b.settling[:0]
+	for _, ce := range b.after {
+		if ce.dead {
+			e.unrefEventLocked(ce, 1)
+			continue
+		}
+		set = append(set, ce)
+	}
+	b.after, b.settling = b.after[:0], set
+	e.mu.Unlock()
+	var err error
+	for _, ce := range set {
+		if s != nil {
+			err = errors.Join(err, s.WaitEvent(ce.ev))
+		} else {
+			err = errors.Join(err, ce.ev.Synchronize())
+		}
+	}
+	e.mu.Lock()
+	for _, ce := range set {
+		e.unrefEventLocked(ce, 1)
+	}
+	b.settling = set[:0]
+	e.mu.Unlock()
+	if err != nil {
+		return fmt.Errorf("share: wait for a consumer's stream-ordered release: %w", err)
+	}
+	return nil
 }
 
 // Ptr is the buffer's device pointer in the exporting process.
@@ -56,18 +111,26 @@ func (b *Buffer) Leases() int {
 	return b.leases
 }
 
-// Wait waits within ctx until no consumer holds the buffer, so that the
-// producer may write it again.
-func (b *Buffer) Wait(ctx context.Context) error {
+// Wait waits within ctx until no consumer holds the buffer, and on the
+// host for the GPU work of consumers that released it stream-ordered, so
+// that the producer may write it again.
+func (b *Buffer) Wait(ctx context.Context) error { return b.WaitOn(ctx, nil) }
+
+// WaitOn waits within ctx until no consumer holds the buffer, and makes
+// stream s wait for the GPU work of consumers that released it
+// stream-ordered: work queued on s afterwards may write the buffer, with
+// no host wait on the GPU. A nil s is Wait.
+func (b *Buffer) WaitOn(ctx context.Context, s *driver.Stream) error {
 	e := b.e
 	e.mu.Lock()
-	defer e.mu.Unlock()
 	for b.leases > 0 || b.sending > 0 {
 		if err := e.waitLocked(ctx, &b.idle); err != nil {
+			e.mu.Unlock()
 			return err
 		}
 	}
-	return nil
+	e.mu.Unlock()
+	return e.settle(b, s)
 }
 
 // Free gives back a buffer of an Arena or a Ring. An arena buffer's range
@@ -112,10 +175,46 @@ func (e *Exporter) freeBufferLocked(b *Buffer) {
 		b.ev = nil
 	}
 	a := b.arena
-	if b.rec.state == recLive {
+	switch {
+	case b.rec.state != recLive:
+	case len(b.after) > 0:
+		// Consumers' GPU work may still read it: the range comes back
+		// once that is done (reclaimLocked).
+		a.pending = append(a.pending, b)
+	default:
 		a.spans.release(b.off, b.span)
 		e.notifyLocked(&a.room)
 	}
+}
+
+// reclaimLocked returns to the arena the ranges whose consumers' GPU work
+// is done. mu held.
+func (a *Arena) reclaimLocked() {
+	e := a.e
+	keep := a.pending[:0]
+	for _, b := range a.pending {
+		done := true
+		for _, ce := range b.after {
+			if ce.dead {
+				continue
+			}
+			if ok, err := ce.ev.Done(); !ok && err == nil {
+				done = false
+				break
+			}
+		}
+		if !done {
+			keep = append(keep, b)
+			continue
+		}
+		for _, ce := range b.after {
+			e.unrefEventLocked(ce, 1)
+		}
+		b.after = b.after[:0]
+		a.spans.release(b.off, b.span)
+	}
+	clear(a.pending[len(keep):])
+	a.pending = keep
 }
 
 // Ring is a fixed set of equal buffers carved from one exported
@@ -157,14 +256,28 @@ func (e *Exporter) NewRing(n int, size uint64) (*Ring, error) {
 // it to the producer. The buffer returns to the ring once it has been
 // offered and every lease of it is released; a buffer the producer decides
 // not to offer goes back with Free.
-func (r *Ring) Acquire(ctx context.Context) (*Buffer, error) {
+func (r *Ring) Acquire(ctx context.Context) (*Buffer, error) { return r.AcquireOn(ctx, nil) }
+
+// AcquireOn is Acquire for a producer that writes the buffer on stream s:
+// instead of waiting on the host for consumers that released the buffer
+// stream-ordered (Lease.ReleaseAfter), it makes s wait for their GPU work,
+// so that the producer never blocks a CPU thread on the GPU. Work queued
+// on s after AcquireOn returns may write the buffer.
+func (r *Ring) AcquireOn(ctx context.Context, s *driver.Stream) (*Buffer, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err // a loop bounded by its context must end even when a buffer is free
 	}
 	for {
 		select {
 		case b := <-r.free:
-			if b, err := r.take(b); b != nil || err != nil {
+			b, err := r.take(b)
+			if b != nil {
+				if err := r.e.settle(b, s); err != nil {
+					b.Free()
+					return nil, err
+				}
+			}
+			if b != nil || err != nil {
 				return b, err
 			}
 		case <-ctx.Done():
@@ -207,10 +320,11 @@ func (r *Ring) Retire(ctx context.Context) error { return r.e.retire(ctx, r.rec)
 // from, so fresh buffers cost no driver call and a consumer maps the arena
 // once: fresh buffers hand off at the rate of reused ones.
 type Arena struct {
-	e     *Exporter
-	rec   *allocRec
-	spans spans         // guarded by Exporter.mu
-	room  chan struct{} // closed when a range is freed; made by a waiter
+	e       *Exporter
+	rec     *allocRec
+	spans   spans         // guarded by Exporter.mu
+	room    chan struct{} // closed when a range is freed; made by a waiter
+	pending []*Buffer     // freed, waiting for consumers' GPU work; Exporter.mu
 }
 
 // NewArena allocates an arena of size bytes.
@@ -231,7 +345,10 @@ func (e *Exporter) NewArena(size uint64) (*Arena, error) {
 
 // Alloc takes a buffer of size bytes from the arena (its range rounded up
 // to 256 bytes), waiting within ctx for room while consumers hold too much
-// of it. Give it back with Free, which may come right after its offer.
+// of it. Give it back with Free, which may come right after its offer. A
+// range that consumers released stream-ordered comes back once their GPU
+// work is done: Alloc checks without waiting, and only when the arena is
+// out of room waits on the host for the oldest such range.
 func (a *Arena) Alloc(ctx context.Context, size uint64) (*Buffer, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err // a loop bounded by its context must end even when there is room
@@ -250,8 +367,27 @@ func (a *Arena) Alloc(ctx context.Context, size uint64) (*Buffer, error) {
 		case a.rec.state != recLive:
 			return nil, fmt.Errorf("%w: arena allocation %d", ErrRetired, a.rec.id)
 		}
+		if len(a.pending) > 0 {
+			a.reclaimLocked()
+		}
 		if off, ok := a.spans.alloc(need); ok {
 			return &Buffer{e: e, rec: a.rec, off: off, size: size, arena: a, span: need}, nil
+		}
+		if len(a.pending) > 0 {
+			// Out of room, with ranges waiting for consumers' GPU work:
+			// wait for the oldest on the host.
+			b := a.pending[0]
+			a.pending = a.pending[1:]
+			e.mu.Unlock()
+			err := e.settle(b, nil)
+			e.mu.Lock()
+			if a.rec.state == recLive {
+				a.spans.release(b.off, b.span)
+			}
+			if err != nil {
+				return nil, err
+			}
+			continue
 		}
 		if err := e.waitLocked(ctx, &a.room); err != nil {
 			return nil, err

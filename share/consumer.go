@@ -11,6 +11,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/seed743c36cf/cudashare/driver"
 	"github.com/seed743c36cf/cudashare/transport"
 )
 
@@ -37,19 +38,33 @@ type consumer struct {
 	window, out uint64 // credits granted; offers not released
 	slots       []leaseSlot
 	freeSlots   []uint32
-	allocs      map[*allocRec]*mapping // allocations it may map
-	active      bool                   // in the rotation
-	saidBye     bool                   // it said goodbye: everything it held is void
-	sentBye     bool                   // we said goodbye after retiring everything
-	ended       bool                   // its connection has ended
-	handedOn    bool                   // it passed to other processes, which are watched
-	unwatchable bool                   // it passed to processes that cannot be watched
-	kicked      bool                   // the exporter dropped it for cause
-	lagging     bool                   // it missed a broadcast, and has not had room since
-	dropped     bool                   // forgotten: nothing it held counts
+	allocs      map[*allocRec]*mapping             // allocations it may map
+	events      map[transport.IPCHandle]*consEvent // its release events, opened once
+	active      bool                               // in the rotation
+	saidBye     bool                               // it said goodbye: everything it held is void
+	sentBye     bool                               // we said goodbye after retiring everything
+	ended       bool                               // its connection has ended
+	handedOn    bool                               // it passed to other processes, which are watched
+	unwatchable bool                               // it passed to processes that cannot be watched
+	kicked      bool                               // the exporter dropped it for cause
+	lagging     bool                               // it missed a broadcast, and has not had room since
+	dropped     bool                               // forgotten: nothing it held counts
 
 	done chan struct{} // closed when its connection has ended
 }
+
+// consEvent is a consumer's release event, opened in this process. A
+// buffer released after it is not written again before its work is done.
+// It is closed once its consumer is dropped and no buffer waits on it.
+type consEvent struct {
+	ev   *driver.Event
+	refs int  // buffers whose next write waits on it, and waits under way
+	dead bool // its consumer was dropped
+}
+
+// MaxReleaseEvents bounds the distinct release events one consumer may use
+// (PROTOCOL.md, section 4, release); one more is a limit error.
+const MaxReleaseEvents = 64
 
 // mapping is one consumer's use of one allocation.
 type mapping struct {
@@ -152,6 +167,7 @@ func (e *Exporter) acceptLoop() {
 			e: e, conn: conn, peer: peer,
 			window: conn.Credits(),
 			allocs: make(map[*allocRec]*mapping),
+			events: make(map[transport.IPCHandle]*consEvent),
 			done:   make(chan struct{}),
 		}
 		e.mu.Lock()
@@ -187,7 +203,13 @@ func (c *consumer) recvLoop() {
 		var bad error
 		switch m.Kind {
 		case transport.KindRelease:
-			bad = e.onRelease(c, m.Seqs)
+			var after *consEvent
+			if m.HasReleaseEvent {
+				after, bad = e.consumerEvent(c, m.ReleaseEvent)
+			}
+			if bad == nil {
+				bad = e.onRelease(c, m.Seqs, after)
+			}
 		case transport.KindClosed:
 			bad = e.onClosed(c, m.AllocID)
 		case transport.KindCredit:
@@ -234,7 +256,7 @@ func (e *Exporter) kick(c *consumer, why error) {
 
 // onRelease ends the leases the consumer released. A sequence number it
 // does not hold (never sent, or released already) is a protocol error.
-func (e *Exporter) onRelease(c *consumer, seqs []uint64) error {
+func (e *Exporter) onRelease(c *consumer, seqs []uint64, after *consEvent) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	defer e.notifyLocked(&e.creditWait)
@@ -251,9 +273,62 @@ func (e *Exporter) onRelease(c *consumer, seqs []uint64) error {
 		c.addOut(-1)
 		e.stats.Releases++
 		e.unmapLeaseLocked(c, b)
+		if after != nil {
+			b.waitAfterLocked(after)
+			e.stats.OrderedReleases++
+		}
 		e.unleaseLocked(b)
 	}
 	return nil
+}
+
+// consumerEvent returns c's release event with handle h, opening it on
+// first use.
+func (e *Exporter) consumerEvent(c *consumer, h transport.IPCHandle) (*consEvent, error) {
+	e.mu.Lock()
+	ce := c.events[h]
+	n := len(c.events)
+	e.mu.Unlock()
+	if ce != nil {
+		return ce, nil
+	}
+	if n >= MaxReleaseEvents {
+		return nil, fmt.Errorf("%w: more than %d release events", transport.ErrLimit, MaxReleaseEvents)
+	}
+	ev, err := e.dctx.IpcOpenEventHandle(driver.IpcEventHandle(h))
+	if err != nil {
+		return nil, fmt.Errorf("%w: a release event that cannot be opened: %w", transport.ErrMalformed, err)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	ce = &consEvent{ev: ev}
+	c.events[h] = ce
+	e.cevents[ce] = struct{}{}
+	if c.dropped {
+		e.killEventLocked(ce)
+	}
+	return ce, nil
+}
+
+// killEventLocked marks a dropped consumer's event dead: nothing waits on
+// it any more (its process, and its GPU work, are gone), and it is closed
+// once no wait is under way. mu held.
+func (e *Exporter) killEventLocked(ce *consEvent) {
+	ce.dead = true
+	e.unrefEventLocked(ce, 0)
+}
+
+// unrefEventLocked drops n references to ce, closing it if it is dead and
+// unreferenced. mu held.
+func (e *Exporter) unrefEventLocked(ce *consEvent, n int) {
+	ce.refs -= n
+	if ce.dead && ce.refs == 0 && ce.ev != nil {
+		if err := ce.ev.Close(); err != nil {
+			e.log.Warn("share: closing a consumer's release event", "err", err)
+		}
+		ce.ev = nil
+		delete(e.cevents, ce)
+	}
 }
 
 // unmapLeaseLocked takes one of c's leases of b off its mapping's count.
@@ -378,6 +453,9 @@ func (e *Exporter) dropLocked(c *consumer) {
 		delete(rec.mappers, c)
 	}
 	c.allocs = nil
+	for _, ce := range c.events {
+		e.killEventLocked(ce)
+	}
 	e.unwatchLocked(c)
 	e.notifyLocked(&e.changed)
 }

@@ -50,10 +50,13 @@ type ExporterStats struct {
 	ConsumersLost uint64 // consumers that went away without a goodbye
 	Offers        uint64 // offers sent, one per consumer reached
 	Releases      uint64 // leases ended: released, or dropped with their consumer
-	BytesOffered  uint64 // bytes lent by those offers
-	Leases        int    // leases outstanding now
-	Retired       uint64 // allocations retired (and freed, if the exporter allocated them)
-	Allocations   int    // allocations known now: registered, rings and arenas
+	// OrderedReleases counts releases that were stream-ordered: the
+	// buffer's next write waits for the consumer's GPU work.
+	OrderedReleases uint64
+	BytesOffered    uint64 // bytes lent by those offers
+	Leases          int    // leases outstanding now
+	Retired         uint64 // allocations retired (and freed, if the exporter allocated them)
+	Allocations     int    // allocations known now: registered, rings and arenas
 	// ConsumersDropped counts consumers the producer dropped: a protocol
 	// violation, a lease held past LeaseTimeout, or messages left unread
 	// past WriteTimeout.
@@ -96,11 +99,12 @@ type Exporter struct {
 	allocs      map[uint64]*allocRec
 	byBase      map[driver.DevicePtr]*allocRec
 	eventPool   []*expEvent
-	pids        map[int]*procWatch // the watch of each consumer process
-	maxLeases   uint64             // ExporterConfig.MaxLeasesPerConsumer; 0: none
-	epoch       uint64             // the lease clock: ticks of leaseJanitor
-	creditWait  chan struct{}      // closed when a credit may have come free; made by a waiter
-	changed     chan struct{}      // closed on any other change waiters watch
+	pids        map[int]*procWatch      // the watch of each consumer process
+	cevents     map[*consEvent]struct{} // consumers' release events not yet closed
+	maxLeases   uint64                  // ExporterConfig.MaxLeasesPerConsumer; 0: none
+	epoch       uint64                  // the lease clock: ticks of leaseJanitor
+	creditWait  chan struct{}           // closed when a credit may have come free; made by a waiter
+	changed     chan struct{}           // closed on any other change waiters watch
 	stats       ExporterStats
 }
 
@@ -161,6 +165,7 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 		return nil, errors.New("share: NewExporter: negative WriteTimeout or MaxLeasesPerConsumer")
 	}
 	tcfg.WriteTimeout = cfg.WriteTimeout
+	tcfg.ReleaseEvents = true // Acquire, AcquireOn, Arena.Alloc and Wait honour them
 	leaseTimeout := cfg.LeaseTimeout
 	if leaseTimeout == 0 {
 		leaseTimeout = DefaultLeaseTimeout
@@ -170,15 +175,16 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 		return nil, err
 	}
 	e := &Exporter{
-		dctx:   dctx,
-		dev:    dev,
-		ln:     ln,
-		log:    log,
-		done:   make(chan struct{}),
-		conns:  make(map[*consumer]struct{}),
-		allocs: make(map[uint64]*allocRec),
-		byBase: make(map[driver.DevicePtr]*allocRec),
-		pids:   make(map[int]*procWatch),
+		dctx:    dctx,
+		dev:     dev,
+		ln:      ln,
+		log:     log,
+		done:    make(chan struct{}),
+		conns:   make(map[*consumer]struct{}),
+		allocs:  make(map[uint64]*allocRec),
+		byBase:  make(map[driver.DevicePtr]*allocRec),
+		pids:    make(map[int]*procWatch),
+		cevents: make(map[*consEvent]struct{}),
 
 		maxLeases: uint64(cfg.MaxLeasesPerConsumer),
 	}
@@ -908,6 +914,16 @@ func (e *Exporter) dropRecLocked(rec *allocRec) {
 	if rec.ring != nil {
 		close(rec.ring.dead)
 	}
+	if a := rec.arena; a != nil {
+		// Nothing will be allocated there again.
+		for _, b := range a.pending {
+			for _, ce := range b.after {
+				e.unrefEventLocked(ce, 1)
+			}
+			b.after = nil
+		}
+		a.pending = nil
+	}
 	e.stats.Retired++
 	e.notifyLocked(&e.changed)
 }
@@ -1044,6 +1060,13 @@ func (e *Exporter) Close() error {
 			}
 		}
 		e.eventPool = nil
+		for ce := range e.cevents {
+			if err := ce.ev.Close(); err != nil {
+				errs = append(errs, err)
+			}
+			ce.ev = nil
+		}
+		clear(e.cevents)
 	})
 	return errors.Join(errs...)
 }

@@ -90,8 +90,10 @@ type Importer struct {
 	allocs   map[uint64]*impAlloc
 	block    weak.Pointer[leaseBlock] // where new leases come from
 	events   map[transport.IPCHandle]*driver.Event
-	held     int           // leases handed out and not released
-	heldZero chan struct{} // closed when held reaches 0; made by Shutdown
+	relEvs   map[*driver.Stream]*relEvent // stream-ordered releases: one event per stream
+	relEvOK  bool                         // the producer honours release events
+	held     int                          // leases handed out and not released
+	heldZero chan struct{}                // closed when held reaches 0; made by Shutdown
 	stats    ImporterStats
 	byeWhy   string
 }
@@ -148,6 +150,8 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 		recvDone: make(chan struct{}),
 		allocs:   make(map[uint64]*impAlloc),
 		events:   make(map[transport.IPCHandle]*driver.Event),
+		relEvs:   make(map[*driver.Stream]*relEvent),
+		relEvOK:  conn.Peer().Caps&transport.CapReleaseEvents != 0,
 	}
 	go im.recvLoop()
 	return im, nil
@@ -184,6 +188,15 @@ func (im *Importer) Stats() ImporterStats {
 // its error (ErrPeerAccessUnsupported, ErrStaleHandle, ...) once, and the
 // offer is handed back to the producer; the importer goes on.
 func (im *Importer) Next(ctx context.Context) (*Lease, error) {
+	return im.NextOn(ctx, im.stream)
+}
+
+// NextOn is Next with the lease made ready on stream s instead of the
+// importer's stream: s waits on the producer's event, so work queued on s
+// after NextOn returns sees the producer's writes (nil: the host waits).
+// A pool gives each worker a stream of its own this way, so that their
+// GPU work overlaps. Lease.Stream returns s.
+func (im *Importer) NextOn(ctx context.Context, s *driver.Stream) (*Lease, error) {
 	select {
 	case l := <-im.ready:
 		if l.err != nil {
@@ -192,10 +205,11 @@ func (im *Importer) Next(ctx context.Context) (*Lease, error) {
 		if err := im.handOut(l); err != nil {
 			return nil, err
 		}
+		l.stream = s
 		if l.ev != nil {
 			var err error
-			if im.stream != nil {
-				err = im.stream.WaitEvent(l.ev)
+			if s != nil {
+				err = s.WaitEvent(l.ev)
 			} else {
 				err = l.ev.Synchronize()
 			}
@@ -268,12 +282,12 @@ func (im *Importer) onOffer(o *transport.Offer) {
 	defer im.mu.Unlock()
 	if im.state != stateOpen {
 		// Shutting down: hand it straight back.
-		im.sendReleaseLocked(o.Seq)
+		im.sendReleaseLocked(o.Seq, nil)
 		return
 	}
 	l, err := im.leaseLocked(o)
 	if err != nil {
-		im.sendReleaseLocked(o.Seq)
+		im.sendReleaseLocked(o.Seq, nil)
 		l = &Lease{err: fmt.Errorf("share: offer %d of allocation %d: %w", o.Seq, o.AllocID, err)}
 	}
 	select {
@@ -356,6 +370,9 @@ func (im *Importer) closeAllocLocked(a *impAlloc) {
 	if a.closed {
 		return
 	}
+	// GPU work released stream-ordered may still read the mapping: it
+	// must be done before the mapping closes (and the producer is told).
+	im.syncReleasesLocked()
 	a.closed = true
 	delete(im.allocs, a.id)
 	if err := im.reg.release(a.ent); err != nil {
@@ -372,8 +389,12 @@ func (im *Importer) closeAllocLocked(a *impAlloc) {
 // mu keeps releases and closes in order with the state they report. A
 // failure means the connection failed; the receive loop sees it and ends
 // the importer.
-func (im *Importer) sendReleaseLocked(seq uint64) {
-	if !im.gone {
+func (im *Importer) sendReleaseLocked(seq uint64, after *relEvent) {
+	switch {
+	case im.gone:
+	case after != nil:
+		im.sendFailed(im.conn.SendReleaseAfter(context.Background(), after.h, seq))
+	default:
 		im.sendFailed(im.conn.SendRelease(context.Background(), seq))
 	}
 }
@@ -390,8 +411,9 @@ func (im *Importer) sendFailed(err error) {
 	}
 }
 
-// releaseLocked ends a lease handed out by Next. mu held.
-func (im *Importer) releaseLocked(a *impAlloc, seq uint64) {
+// releaseLocked ends a lease handed out by Next; after, if not nil, is the
+// event recorded after the lease's last use on the GPU. mu held.
+func (im *Importer) releaseLocked(a *impAlloc, seq uint64, after *relEvent) {
 	if im.held--; im.held == 0 {
 		im.notifyHeldLocked()
 	}
@@ -400,7 +422,7 @@ func (im *Importer) releaseLocked(a *impAlloc, seq uint64) {
 		return // force-closed by Close
 	}
 	a.leases--
-	im.sendReleaseLocked(seq)
+	im.sendReleaseLocked(seq, after)
 	if a.leases == 0 && (a.retired || im.gone || im.state == stateClosed) {
 		im.closeAllocLocked(a)
 	}
@@ -412,7 +434,7 @@ func (im *Importer) dropQueuedLocked(l *Lease) {
 		return
 	}
 	l.a.leases--
-	im.sendReleaseLocked(l.seq)
+	im.sendReleaseLocked(l.seq, nil)
 	if l.a.leases == 0 && (l.a.retired || im.gone || im.state != stateOpen) {
 		im.closeAllocLocked(l.a)
 	}
@@ -553,6 +575,59 @@ func (im *Importer) close(ctx context.Context, reason string) error {
 		}
 		delete(im.events, h)
 	}
+	im.syncReleasesLocked()
+	for s, r := range im.relEvs {
+		if cerr := r.ev.Close(); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+		delete(im.relEvs, s)
+	}
 	im.mu.Unlock()
 	return err
+}
+
+// relEvent is the interprocess event of one stream that stream-ordered
+// releases record: recording it again only moves its completion later, so
+// the producer, waiting on its latest record, waits for every earlier use.
+type relEvent struct {
+	ev *driver.Event
+	h  transport.IPCHandle
+}
+
+// releaseEvent returns s's release event, creating it on first use. mu
+// held.
+func (im *Importer) releaseEventLocked(s *driver.Stream) (*relEvent, error) {
+	if r := im.relEvs[s]; r != nil {
+		return r, nil
+	}
+	if len(im.relEvs) >= maxReleaseStreams {
+		return nil, fmt.Errorf("share: stream-ordered releases on more than %d streams", maxReleaseStreams)
+	}
+	ev, err := im.dctx.NewEvent(driver.EventInterprocess | driver.EventDisableTiming)
+	if err != nil {
+		return nil, fmt.Errorf("share: create a release event: %w", err)
+	}
+	h, err := ev.IpcHandle()
+	if err != nil {
+		ev.Close()
+		return nil, fmt.Errorf("share: release event handle: %w", err)
+	}
+	r := &relEvent{ev: ev, h: transport.IPCHandle(h)}
+	im.relEvs[s] = r
+	return r, nil
+}
+
+// maxReleaseStreams bounds the streams one importer releases on, and so
+// the events a producer opens for it (it refuses more than
+// MaxReleaseEvents).
+const maxReleaseStreams = 64
+
+// syncReleasesLocked waits on the host for the work of every
+// stream-ordered release made so far. mu held.
+func (im *Importer) syncReleasesLocked() {
+	for _, r := range im.relEvs {
+		if err := r.ev.Synchronize(); err != nil {
+			im.log.Error("share: waiting for stream-ordered releases failed", "err", err)
+		}
+	}
 }

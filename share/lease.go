@@ -3,6 +3,8 @@
 package share
 
 import (
+	"errors"
+	"fmt"
 	"runtime"
 	"sync/atomic"
 	"weak"
@@ -41,7 +43,8 @@ type Lease struct {
 	size    uint64
 	meta    []byte
 	ev      *driver.Event
-	err     error // a queued mapping failure, for Next; not a lease
+	stream  *driver.Stream // where the producer's event was waited on
+	err     error          // a queued mapping failure, for Next; not a lease
 	done    atomic.Bool
 	metaBuf [48]byte // small metadata lives here, with no allocation of its own
 }
@@ -105,7 +108,7 @@ func blockCollected(st *blockState) {
 		im.leaked.Add(1)
 		im.log.Error("share: a lease was garbage-collected without Release; releasing it now (fix the caller: its pointer was invalid from then on)",
 			"seq", h.seq, "alloc", h.a.id)
-		im.releaseLocked(h.a, h.seq)
+		im.releaseLocked(h.a, h.seq, nil)
 	}
 }
 
@@ -145,6 +148,56 @@ func (l *Lease) Release() error {
 		return nil // never handed out, or released on the user's behalf
 	}
 	h.live = false
-	im.releaseLocked(l.a, l.seq)
+	im.releaseLocked(l.a, l.seq, nil)
 	return nil
+}
+
+// Stream is the stream the lease is ready on: the one that waited on the
+// producer's event (the importer's, or NextOn's), or nil if the host
+// waited. Work queued on it sees the producer's writes.
+func (l *Lease) Stream() *driver.Stream { return l.stream }
+
+// ReleaseAfter gives the buffer back once the work queued on stream s so
+// far is done, without waiting for it: the last use of the buffer must be
+// queued on s. The producer's next write of the buffer waits for that work
+// on the GPU (stream-ordered release; PROTOCOL.md, section 4). With a
+// producer that does not take release events, ReleaseAfter waits for s on
+// the host, then releases. A nil s is Release. Like Release, it is
+// idempotent; the pointer must not be used by work queued after it.
+func (l *Lease) ReleaseAfter(s *driver.Stream) error {
+	if s == nil {
+		return l.Release()
+	}
+	if l == nil || l.st == nil || l.done.Load() {
+		return nil
+	}
+	im := l.st.im
+	if !im.relEvOK {
+		err := s.Synchronize()
+		if rerr := l.Release(); err == nil {
+			err = rerr
+		}
+		return err
+	}
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	r, err := im.releaseEventLocked(s)
+	if err == nil {
+		err = r.ev.Record(s)
+	}
+	if err != nil {
+		// The work cannot be ordered: wait for it here instead.
+		err = errors.Join(fmt.Errorf("share: stream-ordered release: %w", err), s.Synchronize())
+		r = nil
+	}
+	if !l.done.CompareAndSwap(false, true) {
+		return nil
+	}
+	h := &l.st.out[l.idx]
+	if !h.live {
+		return nil
+	}
+	h.live = false
+	im.releaseLocked(l.a, l.seq, r)
+	return err
 }

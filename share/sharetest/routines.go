@@ -29,21 +29,22 @@ import (
 
 // Parameters of the child routines, passed as environment entries.
 const (
-	ParamPath      = "SHARE_PATH"       // socket path
-	ParamDevice    = "SHARE_DEVICE"     // device ordinal of the child's context (0)
-	ParamCredits   = "SHARE_CREDITS"    // consumer: credits (8)
-	ParamHold      = "SHARE_HOLD"       // consumer: hold this many leases, print HELD, release on "release" (0)
-	ParamSleep     = "SHARE_SLEEP_US"   // consumer: per lease; producer: per offer (0)
-	ParamMax       = "SHARE_MAX"        // consumer: stop after this many leases (0: until the producer ends)
-	ParamStream    = "SHARE_STREAM"     // "1": events and a stream
-	ParamRing      = "SHARE_RING"       // producer: ring buffers (4)
-	ParamSize      = "SHARE_SIZE"       // producer: buffer size (4096)
-	ParamCount     = "SHARE_COUNT"      // producer: offers (0: until stdin closes)
-	ParamConsumers = "SHARE_CONSUMERS"  // producer: consumers to wait for (1)
-	ParamRetire    = "SHARE_RETIRE_AT"  // producer: retire the ring after this many offers, go on with a new one (0)
-	ParamBroadcast = "SHARE_BROADCAST"  // producer: "1" broadcasts
-	ParamVerify    = "SHARE_VERIFY"     // consumer: "0" skips reading back each lease's bytes
-	ParamProfile   = "SHARE_CPUPROFILE" // any child: write a CPU profile to this file
+	ParamPath      = "SHARE_PATH"          // socket path
+	ParamDevice    = "SHARE_DEVICE"        // device ordinal of the child's context (0)
+	ParamCredits   = "SHARE_CREDITS"       // consumer: credits (8)
+	ParamHold      = "SHARE_HOLD"          // consumer: hold this many leases, print HELD, release on "release" (0)
+	ParamSleep     = "SHARE_SLEEP_US"      // consumer: per lease; producer: per offer (0)
+	ParamMax       = "SHARE_MAX"           // consumer: stop after this many leases (0: until the producer ends)
+	ParamStream    = "SHARE_STREAM"        // "1": events and a stream
+	ParamRing      = "SHARE_RING"          // producer: ring buffers (4)
+	ParamSize      = "SHARE_SIZE"          // producer: buffer size (4096)
+	ParamCount     = "SHARE_COUNT"         // producer: offers (0: until stdin closes)
+	ParamConsumers = "SHARE_CONSUMERS"     // producer: consumers to wait for (1)
+	ParamRetire    = "SHARE_RETIRE_AT"     // producer: retire the ring after this many offers, go on with a new one (0)
+	ParamBroadcast = "SHARE_BROADCAST"     // producer: "1" broadcasts
+	ParamVerify    = "SHARE_VERIFY"        // consumer: "0" skips reading back each lease's bytes
+	ParamAfter     = "SHARE_RELEASE_AFTER" // consumer: "1" copies each lease on its stream, releases stream-ordered, then checks the copy
+	ParamProfile   = "SHARE_CPUPROFILE"    // any child: write a CPU profile to this file
 )
 
 // ChildEnv is what a routine gets.
@@ -186,7 +187,9 @@ func producer(ce *ChildEnv) error {
 	var rep ProducerReport
 	var retiring sync.WaitGroup
 	for i := 0; count == 0 || i < count; i++ {
-		b, err := ring.Acquire(loop)
+		// With a stream, consumers' stream-ordered releases are waited
+		// for on it; without, on the host.
+		b, err := ring.AcquireOn(loop, opts.Stream)
 		if err != nil {
 			if loop.Err() != nil {
 				break
@@ -284,6 +287,25 @@ func consumer(ce *ChildEnv) error {
 	defer im.Close()
 	fmt.Println("CONNECTED")
 	hold, max, verify := Param(ParamHold, 0), Param(ParamMax, 0), Param(ParamVerify, 1) != 0
+	after := os.Getenv(ParamAfter) == "1"
+	var busy, scratch driver.DevicePtr
+	if after {
+		if cfg.Stream == nil {
+			return errors.New("SHARE_RELEASE_AFTER needs SHARE_STREAM=1")
+		}
+		var err error
+		if ce.D.Backend() == driver.BackendSim {
+			busySize = 64 << 10 // the sim's work is synchronous: delaying proves nothing
+		}
+		if busy, err = ce.Ctx.Alloc(busySize); err != nil {
+			return err
+		}
+		defer ce.Ctx.Free(busy)
+		if scratch, err = ce.Ctx.Alloc(1 << 20); err != nil {
+			return err
+		}
+		defer ce.Ctx.Free(scratch)
+	}
 	sleep := time.Duration(Param(ParamSleep, 0)) * time.Microsecond
 	var rep ConsumerReport
 	var held []*share.Lease
@@ -314,7 +336,8 @@ func consumer(ce *ChildEnv) error {
 			mallocs = ms.Mallocs
 			cpu0 = CPUTime()
 		}
-		if n, ok := ParseMeta(l.Meta()); !ok {
+		n, ok := ParseMeta(l.Meta())
+		if !ok {
 			rep.Bad = append(rep.Bad, fmt.Sprintf("lease %d: metadata %x", l.Seq(), l.Meta()))
 		} else if verify {
 			if err := Check(ce.Ctx, l.Ptr(), l.Size(), n); err != nil {
@@ -323,6 +346,18 @@ func consumer(ce *ChildEnv) error {
 		}
 		if sleep > 0 {
 			time.Sleep(sleep)
+		}
+		if after {
+			// The copy runs after busy work on the stream, so that a
+			// producer that did not wait for it would overwrite the
+			// buffer first; the check of the copy would then fail.
+			if err := releaseAfterCopy(ce.Ctx, l, busy, scratch, n, &rep); err != nil {
+				return err
+			}
+			if max > 0 && rep.Leases >= max {
+				break
+			}
+			continue
 		}
 		if len(held) < hold {
 			held = append(held, l)
@@ -574,6 +609,37 @@ func grabber(ce *ChildEnv) error {
 	}
 	fmt.Printf("GRABBED %d\n", got)
 	ce.waitLine("exit")
+	return nil
+}
+
+// busySize is the memset that delays a stream-ordered consumer's copy.
+var busySize uint64 = 64 << 20
+
+// releaseAfterCopy queues, on the lease's stream, busy work and then a copy
+// of the lease into scratch, releases the lease stream-ordered, and checks
+// the copy once the stream is done: it holds batch n's bytes only if the
+// producer waited for the copy before it wrote the buffer again.
+func releaseAfterCopy(ctx *driver.Context, l *share.Lease, busy, scratch driver.DevicePtr, n uint64, rep *ConsumerReport) error {
+	s := l.Stream()
+	if s == nil {
+		return errors.New("a lease without a stream")
+	}
+	size := min(l.Size(), 1<<20)
+	if err := ctx.MemsetAsync(busy, byte(n), busySize, s); err != nil {
+		return err
+	}
+	if err := ctx.CopyDtoDAsync(scratch, l.Ptr(), size, s); err != nil {
+		return err
+	}
+	if err := l.ReleaseAfter(s); err != nil {
+		return err
+	}
+	if err := s.Synchronize(); err != nil {
+		return err
+	}
+	if err := Check(ctx, scratch, size, n); err != nil {
+		rep.Bad = append(rep.Bad, "after a stream-ordered release: "+err.Error())
+	}
 	return nil
 }
 
