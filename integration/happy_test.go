@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"slices"
 	"syscall"
 	"testing"
 	"time"
@@ -27,6 +28,10 @@ func TestHappyPath(t *testing.T) {
 		{name: "fresh-broadcast", consumers: 2, broadcast: true, fresh: true, producer: []string{"-fresh", "-broadcast", "-ring", "3", "-size", "64KiB", "-count", "300"}},
 		{name: "host-synchronized", consumers: 2, producer: []string{"-event=false", "-ring", "4", "-size", "64KiB", "-count", "600"}},
 		{name: "verify-sampled", consumers: 2, producer: []string{"-ring", "8", "-size", "64KiB", "-count", "600"}, consumer: []string{"-verify", "sample:7", "-workers", "4"}},
+		// Stream-ordered: each worker copies its batch on its own stream and
+		// releases after the copy; the producer refills with AcquireOn.
+		{name: "async", consumers: 2, producer: []string{"-ring", "4", "-size", "256KiB", "-count", "1000"}, consumer: []string{"-verify", "async", "-workers", "3"}},
+		{name: "async-fresh", consumers: 1, fresh: true, producer: []string{"-fresh", "-ring", "3", "-size", "300KiB", "-count", "400"}, consumer: []string{"-verify", "async", "-workers", "2"}},
 		{name: "verify-byte", consumers: 1, producer: []string{"-ring", "8", "-size", "64KiB", "-count", "600"}, consumer: []string{"-verify", "byte", "-workers", "1", "-credits", "2"}},
 	}
 	for _, tc := range cases {
@@ -52,6 +57,9 @@ func TestHappyPath(t *testing.T) {
 				if r.Handoffs == 0 {
 					t.Errorf("consumer %d got no batch", i+1)
 				}
+				if r.Verify == "async" && (r.Verified != r.Handoffs || r.VerifyErrors != 0) {
+					t.Errorf("consumer %d: %d of %d batches verified, %d wrong", i+1, r.Verified, r.Handoffs, r.VerifyErrors)
+				}
 				if tc.broadcast && r.Handoffs != pr.Batches {
 					t.Errorf("broadcast: consumer %d got %d of the %d batches", i+1, r.Handoffs, pr.Batches)
 				}
@@ -70,6 +78,9 @@ func TestHappyPath(t *testing.T) {
 			}
 			if pr.End != "count" || total != want || pr.Offers != want {
 				t.Errorf("producer: %d batches (ended by %s), %d offers; consumers received %d, want %d", pr.Batches, pr.End, pr.Offers, total, want)
+			}
+			if slices.Contains(tc.consumer, "async") && pr.OrderedReleases != pr.Offers {
+				t.Errorf("producer: %d of %d releases stream-ordered", pr.OrderedReleases, pr.Offers)
 			}
 			if pr.Retired != 1 {
 				t.Errorf("producer retired %d allocations, want 1", pr.Retired)

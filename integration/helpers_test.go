@@ -251,9 +251,7 @@ func (p *proc) report(v any) {
 }
 
 // producerDone waits for a producer to exit 0 and checks that it freed
-// everything it allocated: no allocation left, and (on the simulator, where
-// only the test's processes use the device) as much device memory in use as
-// before it started.
+// everything it allocated: no allocation or lease left.
 func (p *proc) producerDone(timeout time.Duration) app.ProducerReport {
 	p.t.Helper()
 	p.expectExit(app.ExitOK, timeout)
@@ -262,9 +260,9 @@ func (p *proc) producerDone(timeout time.Duration) app.ProducerReport {
 	if r.AllocationsLeft != 0 || r.LeasesLeft != 0 {
 		p.t.Errorf("producer left %d allocation(s) and %d lease(s) after shutdown", r.AllocationsLeft, r.LeasesLeft)
 	}
-	if r.Driver == driver.BackendSim && r.MemUsedAfter != r.MemUsedBefore {
-		p.t.Errorf("producer: %d bytes of device memory in use after shutdown, %d before: a buffer leaked", r.MemUsedAfter, r.MemUsedBefore)
-	}
+	// Device memory is checked once every process of the test has exited
+	// (checkMachine): device-wide, it counts consumers' own buffers too,
+	// which -verify async consumers free only after the goodbye.
 	if r.Releases != r.Offers {
 		p.t.Errorf("producer: %d offers but %d leases ended", r.Offers, r.Releases)
 	}

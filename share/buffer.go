@@ -179,8 +179,10 @@ func (e *Exporter) freeBufferLocked(b *Buffer) {
 	case b.rec.state != recLive:
 	case len(b.after) > 0:
 		// Consumers' GPU work may still read it: the range comes back
-		// once that is done (reclaimLocked).
+		// once that is done (reclaimLocked). A waiting Alloc wakes to
+		// check, or to wait for it.
 		a.pending = append(a.pending, b)
+		e.notifyLocked(&a.room)
 	default:
 		a.spans.release(b.off, b.span)
 		e.notifyLocked(&a.room)

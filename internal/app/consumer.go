@@ -58,6 +58,7 @@ type verifyMode struct {
 	bytes int    // bytes copied back from each end (byte: one, from the start only)
 	ends  int    // 2: the first and the last bytes; 1: the first only
 	every uint64 // check batches whose number is a multiple of this; 0: none
+	async bool   // -verify async: GPU work per batch, stream-ordered release
 }
 
 func parseVerify(s string) (verifyMode, error) {
@@ -68,13 +69,15 @@ func parseVerify(s string) (verifyMode, error) {
 		return verifyMode{name: s, bytes: 1, ends: 1, every: 1}, nil
 	case s == "none":
 		return verifyMode{name: s}, nil
+	case s == "async":
+		return verifyMode{name: s, async: true}, nil
 	case strings.HasPrefix(s, "sample:"):
 		n, err := strconv.ParseUint(strings.TrimPrefix(s, "sample:"), 10, 64)
 		if err == nil && n > 0 {
 			return verifyMode{name: s, bytes: 16, ends: 2, every: n}, nil
 		}
 	}
-	return verifyMode{}, fmt.Errorf("-verify %q: want every, byte, sample:N (N >= 1) or none", s)
+	return verifyMode{}, fmt.Errorf("-verify %q: want every, byte, sample:N (N >= 1), async or none", s)
 }
 
 func (v verifyMode) String() string { return v.name }
@@ -99,7 +102,7 @@ func RunConsumer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.StringVar(&cfg.socket, "socket", DefaultSocket(), "the producer's Unix socket")
 	fs.IntVar(&cfg.workers, "workers", 2, "workers handling batches concurrently")
 	fs.IntVar(&cfg.credits, "credits", 8, "most batches held at once, queued or in work: the producer never lends more")
-	fs.Var(&cfg.verify, "verify", "check each batch's content: every (16 bytes at each end), byte (one byte, as the torch benchmark does), sample:N (every Nth batch), none")
+	fs.Var(&cfg.verify, "verify", "check each batch's content: every (16 bytes at each end), byte (one byte, as the torch benchmark does), sample:N (every Nth batch), none; async: copy each batch into a local buffer on the worker's own stream, release it stream-ordered with no host wait, and check 16-byte samples in groups of 64 (one host wait per 64 batches)")
 	fs.Uint64Var(&cfg.count, "count", 0, "stop after this many batches (0: until the producer ends)")
 	fs.DurationVar(&cfg.duration, "duration", 0, "stop after this long (0: until the producer ends)")
 	fs.DurationVar(&cfg.wait, "wait", 0, "wait this long for the producer's socket to appear (0: fail at once if it is not there)")
@@ -172,6 +175,7 @@ type consumer struct {
 	lastNS       atomic.Int64
 	hist         histogram
 	bufs         sync.Pool // *[]byte of 16, for the bytes copied back
+	async        asyncState
 
 	mu       sync.Mutex
 	seen     map[driver.DevicePtr]struct{}
@@ -324,12 +328,32 @@ func (c *consumer) consume(ctx context.Context, imp *share.Importer, stdout io.W
 	// The pool takes each lease as it arrives, runs the handler on it
 	// and releases it; it ends on the producer's goodbye (nil), on wctx,
 	// or on the first error, and then shuts the importer down.
-	err := pool.Run(wctx, imp, c.cfg.workers, func(ctx context.Context, l *share.Lease) error {
-		if c.handle(l) {
+	pcfg := pool.Config{Workers: c.cfg.workers}
+	if c.cfg.verify.async {
+		// Each worker's own stream; leases go back after the work queued
+		// there, with no host wait.
+		pcfg.Context, pcfg.ReleaseAfter = c.dev.ctx, true
+	}
+	var herr error
+	var herrOnce sync.Once
+	err := pool.RunWith(wctx, imp, pcfg, func(ctx context.Context, l *share.Lease) error {
+		done, err := c.handle(l)
+		if err != nil {
+			herrOnce.Do(func() { herr = err })
+			return err
+		}
+		if done {
 			stop("count")
 		}
 		return nil
 	})
+	if c.cfg.verify.async {
+		c.finishAsync()
+	}
+	if herr != nil {
+		c.rep.End = "error"
+		return fail(ExitFailure, herr, "-verify async: the GPU work on a batch failed")
+	}
 
 	c.mu.Lock()
 	why := c.stopWhy
@@ -350,9 +374,10 @@ func (c *consumer) consume(ctx context.Context, imp *share.Importer, stdout io.W
 	return err
 }
 
-// handle is one batch: note its latency, check its content, release it.
+// handle is one batch: note its latency, check its content, release it
+// (with -verify async, queue its work and leave the release to the pool).
 // It reports whether -count is reached.
-func (c *consumer) handle(l *share.Lease) bool {
+func (c *consumer) handle(l *share.Lease) (bool, error) {
 	recv := monoNow()
 	c.firstNS.CompareAndSwap(0, recv)
 	seq, sent, ok := parseMeta(l.Meta())
@@ -370,20 +395,25 @@ func (c *consumer) handle(l *share.Lease) bool {
 	}
 	c.mu.Unlock()
 
-	if ok && c.cfg.verify.every > 0 && seq%c.cfg.verify.every == 0 {
+	if c.cfg.verify.async {
+		if err := c.handleAsync(l, seq, ok); err != nil {
+			return false, err
+		}
+	} else if ok && c.cfg.verify.every > 0 && seq%c.cfg.verify.every == 0 {
 		c.check(l, seq)
 	}
 	if c.cfg.work > 0 {
 		time.Sleep(c.cfg.work)
 	}
-	// Release as soon as nothing reads the buffer any more (the checks
-	// above were synchronous copies; work queued on a stream would have to
-	// be synchronized first). The pool would release it after the handler
-	// returns anyway; Release is idempotent.
-	l.Release()
+	if !c.cfg.verify.async {
+		// Release as soon as nothing reads the buffer any more (the checks
+		// above were synchronous copies). The pool would release it after
+		// the handler returns anyway; Release is idempotent.
+		l.Release()
+	}
 	c.lastNS.Store(monoNow())
 	n := c.handoffs.Add(1)
-	return c.cfg.count > 0 && n >= c.cfg.count
+	return c.cfg.count > 0 && n >= c.cfg.count, nil
 }
 
 // check copies a few bytes of the batch back from the GPU and compares

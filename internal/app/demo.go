@@ -93,7 +93,7 @@ func RunDemo(ctx context.Context, args []string, stdout, stderr io.Writer, comma
 	var cons []*exec.Cmd
 	for range *nCons {
 		cons = append(cons, command(wctx, "consumer", "-driver", drv, "-device", fmt.Sprint(*cdev), "-socket", sock,
-			"-wait", wait, "-workers", "2", "-verify", "every", "-json"))
+			"-wait", wait, "-workers", "2", "-verify", "async", "-json"))
 	}
 	children := append([]*exec.Cmd{prod}, cons...)
 	outs := make([]*bytes.Buffer, len(children))

@@ -199,6 +199,7 @@ func (p *producer) run(ctx context.Context) error {
 	p.rep.Offers, p.rep.Releases, p.rep.BytesOffered = st.Offers, st.Releases, st.BytesOffered
 	p.rep.ConsumersLost, p.rep.Retired = st.ConsumersLost, st.Retired
 	p.rep.ConsumersDropped, p.rep.BroadcastMissed = st.ConsumersDropped, st.BroadcastMissed
+	p.rep.OrderedReleases = st.OrderedReleases
 	p.rep.AllocationsLeft, p.rep.LeasesLeft = st.Allocations, st.Leases
 	p.rep.MemUsedAfter = memUsed(dev.ctx)
 	keepContext = st.Allocations > 0
@@ -244,7 +245,14 @@ func (p *producer) serve(ctx context.Context, exp *share.Exporter, dctx *driver.
 		if err != nil {
 			return p.allocFailed(err)
 		}
-		take = ring.Acquire
+		// The fill goes on stream: a consumer's stream-ordered release is
+		// waited for there, on the GPU, not on the host. Without a fill
+		// nothing writes the buffer, and any wait is on the host.
+		var fillOn *driver.Stream
+		if p.cfg.fill {
+			fillOn = stream
+		}
+		take = func(ctx context.Context) (*share.Buffer, error) { return ring.AcquireOn(ctx, fillOn) }
 	}
 
 	if n := p.cfg.consumers; n > 0 {

@@ -35,6 +35,7 @@ type ProducerReport struct {
 	// messages unread past -write-timeout, a protocol violation), and
 	// consumers a broadcast skipped because their backlog was full.
 	ConsumersDropped uint64 `json:"consumers_dropped"`
+	OrderedReleases  uint64 `json:"ordered_releases"` // releases that were stream-ordered (consumer -verify async)
 	BroadcastMissed  uint64 `json:"broadcast_missed"`
 	Retired          uint64 `json:"retired"`
 	AllocationsLeft  int    `json:"allocations_left"` // 0: everything it allocated was freed
