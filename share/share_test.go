@@ -50,6 +50,13 @@ func offerRing(t *testing.T, env *sharetest.Env, e *share.Exporter, r *share.Rin
 		if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), uint64(i)); err != nil {
 			t.Fatal(err)
 		}
+		// No event travels, so the bytes must be on the device before the
+		// offer (OfferOptions.Stream): a synchronous copy from pageable
+		// memory can return before its DMA lands (seen on an H100, in one
+		// batch of 78,000).
+		if err := env.Ctx.Synchronize(); err != nil {
+			t.Fatal(err)
+		}
 		if err := e.Offer(ctx, b, share.OfferOptions{Meta: sharetest.Meta(uint64(i))}); err != nil {
 			t.Fatal(err)
 		}
