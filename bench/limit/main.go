@@ -18,8 +18,11 @@
 // the last buffer filled) is read back and checked.
 //
 // It prints one JSON line: batches per second (handoffs_per_s, the key of
-// the benchmark's other rows), and issue_seconds, how long the host took to
-// queue them: close to seconds, the host was the bound, not the GPU.
+// the benchmark's other rows), issue_seconds (how long the host took to
+// queue them) and drain_ms (how long the GPU took to finish after the last
+// was queued). The host blocks in the driver when the GPU's queue is full,
+// so a GPU-bound run ends with a full queue to drain (a millisecond or
+// more); a host-bound one with next to nothing (the time of a batch or two).
 //
 //	limit -ring 8 -size 1MiB -seconds 4 -json
 //	limit -device 0 -consumer-device 1 -copy=false -json
@@ -55,6 +58,7 @@ type result struct {
 	Batches        uint64  `json:"handoffs"`
 	Seconds        float64 `json:"seconds"`
 	IssueSeconds   float64 `json:"issue_seconds"`
+	DrainMS        float64 `json:"drain_ms"`
 	PerS           float64 `json:"handoffs_per_s"`
 	Checked        bool    `json:"checked"`
 	Error          string  `json:"error,omitempty"`
@@ -286,6 +290,7 @@ func run(r *result, backend string, doCopy bool, length, warmup time.Duration) (
 	r.Batches = seq - first
 	r.Seconds = float64(elapsed.Microseconds()) / 1e6
 	r.IssueSeconds = float64(issued.Microseconds()) / 1e6
+	r.DrainMS = float64((elapsed - issued).Microseconds()) / 1e3
 	r.PerS = float64(int64(float64(r.Batches)/elapsed.Seconds()*10)) / 10
 
 	// Check: the last batch's byte, at both ends of what stream C last saw.
