@@ -19,6 +19,8 @@ synchronizes its stream before sending and the consumer waits on nothing.
 With --verify byte the consumer copies the first byte of each buffer back
 (cudaMemcpyAsync to pinned memory on its stream, then synchronizes) and
 checks it: what bench/torch_mp.py's .item() and cudashare's -verify byte do.
+With --no-fill there is no GPU work at all (no fill, no event, no wait): the
+handoff alone, as cudashare's -fill=false -verify none.
 
 Prints one JSON line: handoffs/s (releases received in the measured run),
 p50 and p99 latency (from the send to the consumer's receipt, both on
@@ -134,15 +136,20 @@ def main():
     ap.add_argument("--sync", choices=["event", "host"], default="event",
                     help="event: an interprocess event per buffer, waited on by the consumer's stream; host: the producer synchronizes its stream before sending")
     ap.add_argument("--verify", choices=["none", "byte"], default="none", help="byte: the consumer copies one byte of each buffer back and checks it")
+    ap.add_argument("--no-fill", action="store_true", help="no fill, no event, no wait: the handoff alone (with --verify none)")
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--consumer-device", type=int, default=None)
     a = ap.parse_args()
     if a.ring < 1 or a.seconds <= 0 or a.warmup < 0:
         ap.error("want --ring >= 1, --seconds > 0, --warmup >= 0")
+    if a.no_fill:
+        if a.verify != "none":
+            ap.error("--no-fill writes nothing to check: use --verify none")
+        a.sync = "none"
     cdev = a.device if a.consumer_device is None else a.consumer_device
     line = {
         "impl": "cupy", "mode": "ring", "size": a.size, "ring": a.ring, "device": a.device,
-        "consumer_device": cdev, "verify": a.verify, "sync": a.sync, "gpu_work": "fill",
+        "consumer_device": cdev, "verify": a.verify, "sync": a.sync, "gpu_work": "none" if a.no_fill else "fill",
     }
     try:
         import cupy
@@ -190,10 +197,11 @@ def main():
                 break
             if free:
                 i = free.popleft()
-                rt.memsetAsync(ptrs[i], pattern(seq), a.size, stream)
+                if not a.no_fill:
+                    rt.memsetAsync(ptrs[i], pattern(seq), a.size, stream)
                 if a.sync == "event":
                     rt.eventRecord(evs[i], stream)
-                else:
+                elif a.sync == "host":
                     rt.streamSynchronize(stream)
                 conn.send((i, seq, time.perf_counter(), mhs[i], ehs[i]))
                 seq += 1

@@ -23,8 +23,8 @@
 #              with a note if the consumer has no such mode), ring of 8 x
 #              1 MiB and fresh 64 MiB, -workers (default 2), credits 8.
 #   cupy       bench/cupy_ipc.py: raw IPC handles over a multiprocessing Pipe,
-#              a hand-written open cache, fill + interprocess event, 8 in
-#              flight; with and without a one-byte readback per batch.
+#              a hand-written open cache, 8 in flight: the handoff alone, then
+#              fill + interprocess event with and without a one-byte readback.
 #   torch      bench/torch_mp.py: torch.multiprocessing, fill + .item(), ring
 #              of 8 x 1 MiB and fresh 64 MiB, 8 in flight.
 #   read test  a consumer copies a whole shared buffer (default 1 GiB) against
@@ -218,6 +218,8 @@ for pair in "${pairs[@]}"; do
 	done
 
 	# Raw CUDA IPC by hand, and torch.multiprocessing.
+	tool "cupy-ring-$g-handoff" in_flight=8 -- python3 bench/cupy_ipc.py --seconds "$secs" --ring 8 --size 1MiB \
+		--no-fill --device "$d" --consumer-device "$c"
 	for v in none byte; do
 		tool "cupy-ring-$g-verify-$v" in_flight=8 -- python3 bench/cupy_ipc.py --seconds "$secs" --ring 8 --size 1MiB \
 			--verify "$v" --device "$d" --consumer-device "$c"

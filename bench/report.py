@@ -180,6 +180,8 @@ def work(r):
             w += ", %s worker%s" % (r["workers"], "" if r["workers"] == 1 else "s")
         return w
     if impl == "cupy":
+        if r.get("gpu_work") == "none":
+            return "none: the handoff alone"
         return "fill + %s, readback %s" % ("event" if r.get("sync", "event") == "event" else "host sync", r.get("verify", "?"))
     if impl == "torch.multiprocessing":
         return "fill + host sync, .item()"
