@@ -32,7 +32,7 @@
 # One failing row does not stop the others. JSON lines go to $OUT/bench.jsonl,
 # logs to $OUT/*.log, the markdown table (bench/report.py) to $OUT/bench.md,
 # printed last. Exit 1 if any row failed (a skipped row is not a failure).
-# About 4.5 minutes at -seconds 4 on two GPUs (41 rows), 2.5 on one.
+# About 5 minutes at -seconds 4 on two GPUs (44 rows), 2.5 on one (25).
 #
 # Without a GPU (or with CUDASHARE_DRIVER=sim) it runs on the simulated driver, with
 # -seconds 2 and a 64 MiB read test unless told otherwise, so that its plumbing
@@ -179,11 +179,7 @@ for win in 1 8 64; do
 done
 
 pairs=("0 0")
-if [ "$ngpus" -ge 2 ]; then
-	pairs+=("0 1")
-else
-	skip across-gpus "one GPU: the rows with the consumer on a second GPU (limit, cudashare, CuPy, torch) need two" device=0 consumer_device=1
-fi
+[ "$ngpus" -ge 2 ] && pairs+=("0 1")
 MiB=$((1 << 20))
 for pair in "${pairs[@]}"; do
 	read -r d c <<<"$pair"
@@ -227,6 +223,10 @@ for pair in "${pairs[@]}"; do
 	tool "torch-ring-$g" in_flight=8 gpu_work=fill -- python3 bench/torch_mp.py --seconds "$secs" --mode ring --size 1MiB --ring 8 --device "$d" --consumer-device "$c"
 	tool "torch-fresh-$g" in_flight=8 gpu_work=fill -- python3 bench/torch_mp.py --seconds "$secs" --mode fresh --size 64MiB --ring 8 --device "$d" --consumer-device "$c"
 done
+
+if [ "$ngpus" -lt 2 ]; then
+	skip across-gpus "one GPU: the rows with the consumer on a second GPU (limit, cudashare, CuPy, torch) need two" device=0 consumer_device=1
+fi
 
 # The read test: one shared buffer, read whole, against a local one, same GPU.
 label=read-test-gpu00
