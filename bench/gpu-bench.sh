@@ -1,27 +1,42 @@
 #!/usr/bin/env bash
-# bench/gpu-bench.sh: cudashare's handoff benchmark against torch.multiprocessing,
-# side by side in one run. On the GPU machine, from the repository root, after
-# scripts/gpu-test has built the binaries into .gpu/bin here:
+# bench/gpu-bench.sh: cudashare's handoff benchmark, every row in one run, each
+# against the floor (a bare Unix socket), the limit (the same GPU work in one
+# process) and torch.multiprocessing. On the GPU machine, from the repository
+# root, after scripts/gpu-test has built the binaries into .gpu/bin here:
 #
 #   bash bench/gpu-bench.sh [-seconds N] [-read-size SIZE] [-workers N]
-#   (with the device tool: run(command="bash bench/gpu-bench.sh", carry=[".gpu"]))
+#   (with the device tool: run(command="bash bench/gpu-bench.sh -seconds 4", carry=[".gpu"]))
 #
-# Rows, each run for about -seconds (default 5):
-#   (a) a ring of 8 reused 1 MiB buffers, (b) a fresh 64 MiB buffer per batch
-#       (cudashare: sub-allocated from an arena), producer and one consumer on
-#       GPU 0; then, with two GPUs, the consumer on GPU 1;
-#   cudashare with -verify byte (one byte copied back per batch: what
-#       torch_mp.py's .item() check does) and with -verify none, labelled;
-#   torch.multiprocessing (bench/torch_mp.py) in the same modes;
-#   the read test: a consumer copies a whole shared buffer (default 1 GiB)
-#       device-to-device, against a local buffer of the same size on the same GPU.
+# Rows, each run for about -seconds (default 5); "same GPU" rows, then with
+# two GPUs the same with the consumer (stream C) on GPU 1:
+#   floor      bench/floor: two Go processes, a bare Unix socket, 96 B out and
+#              16 B back per message; one in flight, and windows of 8 and 64.
+#   limit      bench/limit: one process, a ring of 8 buffers (1 MiB, 64 MiB),
+#              stream P fills and records, stream C waits (and with "copy"
+#              copies the buffer to a scratch buffer) and records, P waits
+#              before refilling; no IPC, no host wait per batch.
+#   cudashare  the example producer and consumer: the handoff alone
+#              (-fill=false, -verify none) with credits 1/1 worker, 8/1, 8/2,
+#              ring 64 credits 64 4 workers, and fresh 64 MiB from an arena;
+#              then a fill and an interprocess event per batch with -verify
+#              none, byte and async (stream-ordered copy and release; skipped
+#              with a note if the consumer has no such mode), ring of 8 x
+#              1 MiB and fresh 64 MiB, -workers (default 2), credits 8.
+#   cupy       bench/cupy_ipc.py: raw IPC handles over a multiprocessing Pipe,
+#              a hand-written open cache, 8 in flight: the handoff alone, then
+#              fill + interprocess event with and without a one-byte readback.
+#   torch      bench/torch_mp.py: torch.multiprocessing, fill + .item(), ring
+#              of 8 x 1 MiB and fresh 64 MiB, 8 in flight.
+#   read test  a consumer copies a whole shared buffer (default 1 GiB) against
+#              a local one on the same GPU.
 # One failing row does not stop the others. JSON lines go to $OUT/bench.jsonl,
-# logs to $OUT/*.log, the markdown table to $OUT/bench.md; the table is printed
-# last. Exit 1 if any row failed (a skipped torch row is not a failure).
+# logs to $OUT/*.log, the markdown table (bench/report.py) to $OUT/bench.md,
+# printed last. Exit 1 if any row failed (a skipped row is not a failure).
+# About 5 minutes at -seconds 4 on two GPUs (44 rows), 2.5 on one (25).
 #
 # Without a GPU (or with CUDASHARE_DRIVER=sim) it runs on the simulated driver, with
 # -seconds 2 and a 64 MiB read test unless told otherwise, so that its plumbing
-# is tested anywhere; torch rows are skipped where torch is missing.
+# is tested anywhere; CuPy and torch rows are skipped where they are missing.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -32,7 +47,7 @@ while [ $# -gt 0 ]; do
 	-seconds) secs=$2; shift 2 ;;
 	-read-size) read_size=$2; shift 2 ;;
 	-workers) workers=$2; shift 2 ;;
-	-h | -help | --help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+	-h | -help | --help) sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
 	*) echo "gpu-bench: unknown argument $1 (-h for help)" >&2; exit 2 ;;
 	esac
 done
@@ -45,18 +60,21 @@ trap 'rm -rf "$work"' EXIT
 
 # The binaries: CUDASHARE_BIN_DIR, else .gpu/bin, else built here if Go is.
 BIN=${CUDASHARE_BIN_DIR:-.gpu/bin}
-if [ ! -x "$BIN/producer" ] || [ ! -x "$BIN/consumer" ] || [ ! -x "$BIN/cudashare" ]; then
+progs=(producer consumer cudashare floor limit)
+missing=()
+for p in "${progs[@]}"; do [ -x "$BIN/$p" ] || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
 	if command -v go >/dev/null; then
+		echo "gpu-bench: $BIN lacks ${missing[*]}: building the binaries into $work/bin"
 		BIN=$work/bin
-		echo "gpu-bench: building the binaries into $BIN"
-		CGO_ENABLED=0 go build -o "$BIN/" ./examples/producer ./examples/consumer ./cmd/cudashare || exit 1
+		CGO_ENABLED=0 go build -o "$BIN/" ./examples/producer ./examples/consumer ./cmd/cudashare ./bench/floor ./bench/limit || exit 1
 	else
-		echo "gpu-bench: no binaries in $BIN; run scripts/gpu-test where Go is, and carry .gpu" >&2
+		echo "gpu-bench: $BIN lacks ${missing[*]}; run scripts/gpu-test where Go is, and carry .gpu" >&2
 		exit 1
 	fi
 fi
 if ! command -v python3 >/dev/null; then
-	echo "gpu-bench: python3 is needed for torch and for the table" >&2
+	echo "gpu-bench: python3 is needed for CuPy, torch and the table" >&2
 	exit 1
 fi
 
@@ -77,8 +95,12 @@ if [ "$driver" = sim ]; then
 else
 	secs=${secs:-5} read_size=${read_size:-1GiB}
 fi
+# Does the consumer have -verify async (stream-ordered release)?
+async=no
+"$BIN/consumer" -h 2>&1 | grep -A3 -e '^  -verify' | grep -qw async && async=yes
 {
-	echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) gpu-bench: driver $driver, $ngpus GPU(s), ${secs}s per row, read test $read_size"
+	echo "command: $cmdline"
+	echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) gpu-bench: driver $driver, $ngpus GPU(s), ${secs}s per row, read test $read_size, consumer -verify async: $async"
 	cat "$OUT/devices.txt"
 	command -v nvidia-smi >/dev/null && nvidia-smi -L
 	[ -f .gpu/run.sh ] && grep -m1 '^BUILT=' .gpu/run.sh
@@ -86,76 +108,125 @@ fi
 
 failed=0
 sock=$work/bench.sock
+# report ...: bench/report.py appends the row's JSON line to bench.jsonl and
+# prints a short line.
+report() { python3 bench/report.py "$@" >>"$OUT/bench.jsonl"; }
+skip() { # skip LABEL REASON KEY=VALUE...
+	local label=$1 why=$2
+	shift 2
+	echo "== $label"
+	report skip "$label" "$why" "$@"
+}
+fail_tail() { # fail_tail WHAT LOG...
+	local what=$1
+	shift
+	failed=$((failed + 1))
+	echo "   FAILED ($what); last lines of the logs:"
+	tail -n 5 "$@" | sed 's/^/   /'
+}
 
-# ours LABEL MODE SIZE DEVICE CONSUMER_DEVICE VERIFY PRODUCER_ARGS...
+# tool LABEL KEY=VALUE... -- COMMAND...: a row that prints one JSON line
+# (floor, limit, CuPy, torch); exit 3 means skipped.
+tool() {
+	local label=$1
+	shift
+	local meta=()
+	while [ "$1" != -- ]; do meta+=("$1"); shift; done
+	shift
+	echo "== $label"
+	timeout -k 10 $((secs * 4 + 180)) "$@" >"$OUT/$label.json" 2>"$OUT/$label.log"
+	local rc=$?
+	report tool "$label" "$OUT/$label.json" "$rc" "${meta[@]}"
+	case $rc in
+	0 | 3) ;; # 3: skipped, and report said why
+	*) fail_tail "exit $rc" "$OUT/$label.log" ;;
+	esac
+}
+
+# ours LABEL DEVICE CONSUMER_DEVICE WORKERS CREDITS VERIFY WORK -- PRODUCER_ARGS...
+# WORK is the GPU work per batch, for the limit it is compared with: none,
+# fill (the producer's memset), fill+copy (and the consumer's copy).
 ours() {
-	local label=$1 mode=$2 size=$3 dev=$4 cdev=$5 verify=$6
-	shift 6
+	local label=$1 dev=$2 cdev=$3 w=$4 cr=$5 verify=$6 gwork=$7
+	shift 8
+	local ring size inflight
+	ring=$(python3 -c 'import sys; a=sys.argv[1:]; print(a[a.index("-ring")+1])' "$@")
+	inflight=$((cr < ring ? cr : ring))
 	echo "== $label"
 	local limit=$((secs * 2 + 120))
 	timeout -k 10 "$limit" "$BIN/producer" -socket "$sock" -device "$dev" -duration "${secs}s" \
 		-consumers 1 -wait 60s -json "$@" >"$OUT/$label.producer.json" 2>"$OUT/$label.producer.log" &
 	local ppid=$!
 	timeout -k 10 "$limit" "$BIN/consumer" -socket "$sock" -device "$cdev" -wait 60s -verify "$verify" \
-		-workers "${row_workers:-$workers}" -credits "${row_credits:-16}" -json >"$OUT/$label.consumer.json" 2>"$OUT/$label.consumer.log"
+		-workers "$w" -credits "$cr" -json >"$OUT/$label.consumer.json" 2>"$OUT/$label.consumer.log"
 	local cexit=$?
 	# A consumer that failed leaves the producer waiting for it: end it
 	# (timeout passes the signal on; the producer shuts down gracefully).
 	[ "$cexit" != 0 ] && kill -TERM "$ppid" 2>/dev/null
 	wait "$ppid"
 	local pexit=$?
-	python3 bench/report.py row "$label" "$OUT/$label.producer.json" "$OUT/$label.consumer.json" "$pexit" "$cexit" \
-		mode="$mode" size="$size" ring=8 device="$dev" consumer_device="$cdev" verify="$verify" workers="${row_workers:-$workers}" |
-		tee -a "$OUT/bench.jsonl"
+	report row "$label" "$OUT/$label.producer.json" "$OUT/$label.consumer.json" "$pexit" "$cexit" \
+		device="$dev" consumer_device="$cdev" verify="$verify" workers="$w" credits="$cr" \
+		in_flight="$inflight" gpu_work="$gwork"
 	if [ "$pexit" != 0 ] || [ "$cexit" != 0 ]; then
-		failed=$((failed + 1))
-		echo "   FAILED (producer exit $pexit, consumer exit $cexit); last lines of the logs:"
-		tail -n 5 "$OUT/$label.producer.log" "$OUT/$label.consumer.log" | sed 's/^/   /'
+		fail_tail "producer exit $pexit, consumer exit $cexit" "$OUT/$label.producer.log" "$OUT/$label.consumer.log"
 	fi
 }
 
-# torchrow LABEL ARGS...
-torchrow() {
-	local label=$1
-	shift
-	echo "== $label"
-	timeout -k 10 $((secs * 4 + 180)) python3 bench/torch_mp.py --seconds "$secs" "$@" \
-		>"$OUT/$label.json" 2>"$OUT/$label.log"
-	local rc=$?
-	python3 bench/report.py torch "$label" "$OUT/$label.json" "$rc" | tee -a "$OUT/bench.jsonl"
-	case $rc in
-	0) ;;
-	3) echo "   skipped: $(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).read().splitlines()[-1]).get("skipped",""))' "$OUT/$label.json" 2>/dev/null)" ;;
-	*)
-		failed=$((failed + 1))
-		echo "   FAILED (exit $rc); last lines of the log:"
-		tail -n 5 "$OUT/$label.log" | sed 's/^/   /'
-		;;
-	esac
-}
+# The floor: no GPU, so once.
+for win in 1 8 64; do
+	tool "floor-window$win" -- "$BIN/floor" -window "$win" -seconds "$secs" -json
+done
 
 pairs=("0 0")
 [ "$ngpus" -ge 2 ] && pairs+=("0 1")
+MiB=$((1 << 20))
 for pair in "${pairs[@]}"; do
 	read -r d c <<<"$pair"
-	for v in byte none; do
-		ours "cudashare-ring-gpu$d$c-verify-$v" ring $((1 << 20)) "$d" "$c" "$v" -ring 8 -size 1MiB
+	g=gpu$d$c
+	# The limit: the same GPU work in one process, no IPC.
+	for sz in 1MiB 64MiB; do
+		tool "limit-$g-fill-$sz" -- "$BIN/limit" -device "$d" -consumer-device "$c" -ring 8 -size "$sz" -copy=false -seconds "$secs" -json
+		tool "limit-$g-copy-$sz" -- "$BIN/limit" -device "$d" -consumer-device "$c" -ring 8 -size "$sz" -copy=true -seconds "$secs" -json
 	done
-	# The same with 8 workers: on one GPU each verification is a copy in the
-	# consumer's context, which waits for the GPU to switch from the
-	# producer's; more copies in flight share a switch.
-	row_workers=8 ours "cudashare-ring-gpu$d$c-verify-byte-w8" ring $((1 << 20)) "$d" "$c" byte -ring 8 -size 1MiB
-	row_workers=8 ours "cudashare-fresh-gpu$d$c-verify-byte-w8" fresh $((64 << 20)) "$d" "$c" byte -fresh -ring 8 -size 64MiB
-	# The handoff alone, against the 300,000/s target: no GPU work, no
-	# event, a deeper window and more workers.
-	row_workers=4 row_credits=64 ours "cudashare-ring-gpu$d$c-handoff" ring $((1 << 20)) "$d" "$c" none -ring 64 -size 1MiB -fill=false
-	row_workers=4 row_credits=64 ours "cudashare-fresh-gpu$d$c-handoff" fresh $((64 << 20)) "$d" "$c" none -fresh -ring 64 -size 64MiB -fill=false
-	for v in byte none; do
-		ours "cudashare-fresh-gpu$d$c-verify-$v" fresh $((64 << 20)) "$d" "$c" "$v" -fresh -ring 8 -size 64MiB
+
+	# The handoff alone: no GPU work, no event, no verification.
+	ours "cudashare-ring-$g-handoff-c1-w1" "$d" "$c" 1 1 none none -- -ring 8 -size 1MiB -fill=false
+	ours "cudashare-ring-$g-handoff-c8-w1" "$d" "$c" 1 8 none none -- -ring 8 -size 1MiB -fill=false
+	ours "cudashare-ring-$g-handoff-c8-w2" "$d" "$c" 2 8 none none -- -ring 8 -size 1MiB -fill=false
+	ours "cudashare-ring64-$g-handoff-c64-w4" "$d" "$c" 4 64 none none -- -ring 64 -size 1MiB -fill=false
+	ours "cudashare-fresh-$g-handoff-c64-w4" "$d" "$c" 4 64 none none -- -fresh -ring 64 -size 64MiB -fill=false
+
+	# A fill and an interprocess event per batch.
+	for mode in ring fresh; do
+		if [ $mode = ring ]; then pargs=(-ring 8 -size 1MiB); else pargs=(-fresh -ring 8 -size 64MiB); fi
+		ours "cudashare-$mode-$g-verify-none" "$d" "$c" "$workers" 8 none fill -- "${pargs[@]}"
+		ours "cudashare-$mode-$g-verify-byte" "$d" "$c" "$workers" 8 byte fill -- "${pargs[@]}"
+		if [ $async = yes ]; then
+			ours "cudashare-$mode-$g-verify-async" "$d" "$c" "$workers" 8 async fill+copy -- "${pargs[@]}"
+		else
+			sz=$MiB
+			[ $mode = fresh ] && sz=$((64 * MiB))
+			skip "cudashare-$mode-$g-verify-async" "the consumer has no -verify async yet (stream-ordered copy and release): not in \`consumer -h\`" \
+				impl=cudashare mode=$mode size=$sz ring=8 device="$d" consumer_device="$c" verify=async workers="$workers" \
+				credits=8 in_flight=8 gpu_work=fill+copy fill=true
+		fi
 	done
-	torchrow "torch-ring-gpu$d$c" --mode ring --size 1MiB --ring 8 --device "$d" --consumer-device "$c"
-	torchrow "torch-fresh-gpu$d$c" --mode fresh --size 64MiB --ring 8 --device "$d" --consumer-device "$c"
+
+	# Raw CUDA IPC by hand, and torch.multiprocessing.
+	tool "cupy-ring-$g-handoff" in_flight=8 -- python3 bench/cupy_ipc.py --seconds "$secs" --ring 8 --size 1MiB \
+		--no-fill --device "$d" --consumer-device "$c"
+	for v in none byte; do
+		tool "cupy-ring-$g-verify-$v" in_flight=8 -- python3 bench/cupy_ipc.py --seconds "$secs" --ring 8 --size 1MiB \
+			--verify "$v" --device "$d" --consumer-device "$c"
+	done
+	tool "torch-ring-$g" in_flight=8 gpu_work=fill -- python3 bench/torch_mp.py --seconds "$secs" --mode ring --size 1MiB --ring 8 --device "$d" --consumer-device "$c"
+	tool "torch-fresh-$g" in_flight=8 gpu_work=fill -- python3 bench/torch_mp.py --seconds "$secs" --mode fresh --size 64MiB --ring 8 --device "$d" --consumer-device "$c"
 done
+
+if [ "$ngpus" -lt 2 ]; then
+	skip across-gpus "one GPU: the rows with the consumer on a second GPU (limit, cudashare, CuPy, torch) need two" device=0 consumer_device=1
+fi
 
 # The read test: one shared buffer, read whole, against a local one, same GPU.
 label=read-test-gpu00
@@ -169,19 +240,14 @@ cexit=$?
 [ "$cexit" != 0 ] && kill -TERM "$ppid" 2>/dev/null
 wait "$ppid"
 pexit=$?
-python3 bench/report.py row "$label" "$OUT/$label.producer.json" "$OUT/$label.consumer.json" "$pexit" "$cexit" \
-	device=0 consumer_device=0 |
-	tee -a "$OUT/bench.jsonl"
+report row "$label" "$OUT/$label.producer.json" "$OUT/$label.consumer.json" "$pexit" "$cexit" device=0 consumer_device=0
 if [ "$pexit" != 0 ] || [ "$cexit" != 0 ]; then
-	failed=$((failed + 1))
-	tail -n 5 "$OUT/$label.producer.log" "$OUT/$label.consumer.log" | sed 's/^/   /'
+	fail_tail "producer exit $pexit, consumer exit $cexit" "$OUT/$label.producer.log" "$OUT/$label.consumer.log"
 fi
 
-python3 bench/report.py table "$OUT/bench.jsonl" >"$OUT/bench.md"
+python3 bench/report.py table "$OUT/bench.jsonl" "$OUT/env.txt" >"$OUT/bench.md"
 echo
 echo "================ gpu-bench: driver $driver, $ngpus GPU(s), ${secs}s per row; logs and bench.jsonl in $OUT ================"
-cat "$OUT/env.txt" | sed -n '1p'
-echo "command: $cmdline (consumer: -workers $workers -credits 16; producer: -event, one interprocess event per batch)"
 echo
 cat "$OUT/bench.md"
 if [ "$failed" -gt 0 ]; then

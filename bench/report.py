@@ -4,19 +4,28 @@
   report.py row LABEL PRODUCER_JSON CONSUMER_JSON PRODUCER_EXIT CONSUMER_EXIT [KEY=VALUE...]
       prints one bench.jsonl line for a cudashare row: the consumer's report
       (handoffs/s, latency, verification) with the producer's, or an "error";
-      KEY=VALUE pairs (mode, size, ring, device, consumer_device, verify,
-      workers) describe the row when a report is missing.
-  report.py torch LABEL TORCH_OUTPUT EXIT
-      prints one line for a torch.multiprocessing row, or a "skipped"/"error".
-  report.py table BENCH_JSONL
-      prints the markdown table: rates, latency, the ratio to torch for the
-      same mode and devices, the read test, and the targets.
+      KEY=VALUE pairs (device, consumer_device, verify, workers, credits,
+      in_flight, gpu_work) describe the row.
+  report.py tool LABEL JSON_OUTPUT EXIT [KEY=VALUE...]
+      prints one line for a row of a tool that prints its own JSON line
+      (bench/floor, bench/limit, bench/cupy_ipc.py, bench/torch_mp.py), or a
+      "skipped" (exit 3) or an "error"; KEY=VALUE pairs fill in keys the
+      tool's line lacks.
+  report.py skip LABEL REASON [KEY=VALUE...]
+      prints one "skipped" line.
+  report.py table BENCH_JSONL [ENV_TXT]
+      prints the markdown table: the command and the machine (from ENV_TXT),
+      then each row's handoffs/s, latency, and its ratio to the floor (the
+      bare socket with as many messages in flight), to the limit (the same
+      GPU work in one process, for rows with GPU work) and to torch (same
+      mode, size and GPUs); then the read test and notes.
 """
 import json
 import sys
 
-# Targets of the issue: ratios to torch's handoffs/s, and the read test.
-TARGETS = {"ring": 100.0, "fresh": 30.0}
+# Targets of the issue: the handoff alone, ratios to torch, the read test.
+HANDOFF_TARGET = 300000
+TORCH_TARGETS = {"ring": 100.0, "fresh": 30.0}
 READ_TARGET = 1.05
 
 
@@ -34,11 +43,39 @@ def last_json(path):
         return None, "%s: %s" % (path, e)
 
 
-def row(label, pjson, cjson, pexit, cexit, *meta):
-    out = {"row": label, "impl": "cudashare"}
+def emit(out):
+    """Prints the row's JSON line, and a short line to stderr."""
+    print(json.dumps(out))
+    if out.get("skipped"):
+        short = "skipped: %s" % out["skipped"]
+    elif out.get("error"):
+        short = "error: %s" % out["error"]
+    elif out.get("read_test"):
+        short = "read test: shared/local %s" % out["read_test"].get("ratio")
+    else:
+        short = "%s/s" % fmt(out.get("handoffs_per_s"))
+        if out.get("p50_us") is not None:
+            short += ", p50 %s µs, p99 %s µs" % (fmt(out.get("p50_us"), 1), fmt(out.get("p99_us"), 1))
+        if out.get("verify_errors"):
+            short += ", %s WRONG" % out["verify_errors"]
+    sys.stderr.write("   %s\n" % short)
+
+
+def parse_meta(meta):
+    out = {}
     for kv in meta:
         k, _, v = kv.partition("=")
-        out[k] = int(v) if v.isdigit() else v
+        if v.isdigit():
+            v = int(v)
+        elif v in ("true", "false"):
+            v = v == "true"
+        out[k] = v
+    return out
+
+
+def row(label, pjson, cjson, pexit, cexit, *meta):
+    out = {"row": label, "impl": "cudashare"}
+    out.update(parse_meta(meta))
     p, perr = last_json(pjson)
     c, cerr = last_json(cjson)
     if c:
@@ -60,17 +97,28 @@ def row(label, pjson, cjson, pexit, cexit, *meta):
         errs.append("consumer exit %s: %s" % (cexit, (c or {}).get("error") or cerr or ""))
     if errs:
         out["error"] = "; ".join(errs)
-    print(json.dumps(out))
+    emit(out)
 
 
-def torch_row(label, path, exitcode):
+def tool(label, path, exitcode, *meta):
     t, err = last_json(path)
-    out = {"row": label, "impl": "torch.multiprocessing"}
+    out = {"row": label}
     if t:
         out.update(t)
+    for k, v in parse_meta(meta).items():
+        out.setdefault(k, v)
+    out.setdefault("impl", label.split("-")[0])
+    if exitcode == "3" and "skipped" not in out:
+        out["skipped"] = "exit 3: %s" % (err or "see the log")
     if not t or (exitcode not in ("0", "3") and "error" not in out):
-        out["error"] = "exit %s: %s" % (exitcode, err or "see the log")
-    print(json.dumps(out))
+        out["error"] = "exit %s: %s" % (exitcode, out.get("error") or err or "see the log")
+    emit(out)
+
+
+def skip(label, why, *meta):
+    out = {"row": label, "impl": "-", "skipped": why}
+    out.update(parse_meta(meta))
+    emit(out)
 
 
 def fmt(v, nd=0):
@@ -79,13 +127,6 @@ def fmt(v, nd=0):
     if isinstance(v, (int, float)):
         return "{:,.{}f}".format(v, nd)
     return str(v)
-
-
-def devices(r):
-    d, c = r.get("device"), r.get("consumer_device")
-    if d is None:
-        return "-"
-    return "GPU %s" % d if c in (None, d) else "GPU %s -> %s" % (d, c)
 
 
 def size(n):
@@ -97,52 +138,132 @@ def size(n):
     return "%d B" % n
 
 
-def table(path):
+def gpus(r):
+    d, c = r.get("device"), r.get("consumer_device")
+    if d is None:
+        return "-"
+    return "%s" % d if c in (None, d) else "%s -> %s" % (d, c)
+
+
+def ratio(x):
+    if x is None:
+        return "-"
+    if x >= 10:
+        return "%.0fx" % x
+    if x >= 1:
+        return "%.1fx" % x
+    return "%.2f" % x
+
+
+def bufs(r):
+    if r.get("impl") == "floor":
+        return "-"
+    if not r.get("size"):
+        return "-"
+    if r.get("mode") == "fresh":
+        return "fresh %s" % size(r["size"]) + (" (arena)" if r.get("impl") == "cudashare" else "")
+    return "ring of %s x %s" % (r.get("ring", "?"), size(r["size"]))
+
+
+def work(r):
+    impl = r.get("impl")
+    if impl == "floor":
+        return "%s B out, %s B back" % (r.get("msg_bytes", 96), r.get("ack_bytes", 16))
+    if impl == "limit":
+        return "fill; C waits" if r.get("gpu_work") == "fill" else "fill; C waits, copies"
+    if impl == "cudashare":
+        if r.get("gpu_work") == "none" or r.get("fill") is False:
+            w = "none: the handoff alone"
+        else:
+            w = "fill + event, verify %s" % r.get("verify", "?")
+        if r.get("workers"):
+            w += ", %s worker%s" % (r["workers"], "" if r["workers"] == 1 else "s")
+        return w
+    if impl == "cupy":
+        if r.get("gpu_work") == "none":
+            return "none: the handoff alone"
+        return "fill + %s, readback %s" % ("event" if r.get("sync", "event") == "event" else "host sync", r.get("verify", "?"))
+    if impl == "torch.multiprocessing":
+        return "fill + host sync, .item()"
+    return r.get("gpu_work") or "-"
+
+
+def in_flight(r):
+    if r.get("impl") == "floor":
+        return r.get("window")
+    if r.get("in_flight"):
+        return r["in_flight"]
+    if r.get("impl") in ("cupy", "torch.multiprocessing"):
+        return r.get("ring")
+    return None
+
+
+def table(path, env=None):
     rows = []
     with open(path) as f:
         for l in f:
             if l.strip():
                 rows.append(json.loads(l))
-    torch = {}
-    for r in rows:
-        if r.get("impl") == "torch.multiprocessing" and r.get("handoffs_per_s"):
-            torch[(r.get("mode"), r.get("device"), r.get("consumer_device"))] = r["handoffs_per_s"]
-    print("| impl | mode | buffers | devices | verify | handoffs/s | p50 µs | p99 µs | x torch | target |")
-    print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
-    notes = []
+    if env:
+        try:
+            with open(env) as f:
+                head = [l.rstrip("\n") for l in f][:2]
+            for l in head:
+                print(l.lstrip("= "))
+                print()
+        except OSError:
+            pass
+
+    def ok(r):
+        return r.get("handoffs_per_s") and not r.get("error") and not r.get("skipped")
+
+    floor = {r.get("window"): r["handoffs_per_s"] for r in rows if r.get("impl") == "floor" and ok(r)}
+    limit = {(r.get("gpu_work"), r.get("size"), r.get("device"), r.get("consumer_device")): r
+             for r in rows if r.get("impl") == "limit" and ok(r)}
+    torch = {(r.get("mode"), r.get("size"), r.get("device"), r.get("consumer_device")): r["handoffs_per_s"]
+             for r in rows if r.get("impl") == "torch.multiprocessing" and ok(r)}
+
+    print("| row | impl | buffers | GPUs | GPU work per batch | in flight | handoffs/s | p50 µs | p99 µs | x floor | x limit | x torch |")
+    print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    notes, targets, drains = [], [], []
     for r in rows:
         if "read_test" in r or r.get("row", "").startswith("read"):
             continue
-        mode = r.get("mode") or "-"
-        bufs = "-"
-        if r.get("size"):
-            bufs = ("ring of %s x %s" % (r.get("ring"), size(r["size"]))) if mode == "ring" else ("fresh %s" % size(r["size"]))
-        verify = r.get("verify", "-")
-        if r.get("impl") == "cudashare" and r.get("workers"):
-            verify = "%s, %s workers" % (verify, r["workers"])
-        if r.get("impl") == "torch.multiprocessing":
-            verify = "byte (.item())"
-        if r.get("fill") is False:
-            verify += "; no fill, no event: the handoff alone"
+        impl = r.get("impl", "-")
+        cells = [r.get("row", "-"), impl, bufs(r), gpus(r), work(r), fmt(in_flight(r))]
         if r.get("skipped") or r.get("error"):
             why = r.get("skipped") or r.get("error")
-            print("| %s | %s | %s | %s | %s | %s | | | | |" % (r.get("impl"), mode, bufs, devices(r), verify,
-                                                              "skipped" if r.get("skipped") else "FAILED"))
-            notes.append("%s: %s" % (r.get("row"), why))
+            cells += ["skipped" if r.get("skipped") else "FAILED", "", "", "", "", ""]
+            print("| " + " | ".join(cells) + " |")
+            notes.append("%s: %s: %s" % (r.get("row"), "skipped" if r.get("skipped") else "FAILED", why))
             continue
-        ratio, target = "-", ""
-        t = torch.get((mode, r.get("device"), r.get("consumer_device")))
-        if r.get("impl") == "cudashare" and t:
-            x = r["handoffs_per_s"] / t
-            ratio = "%.0fx" % x if x >= 10 else "%.1fx" % x
-            want = TARGETS.get(mode)
-            if want:
-                target = "%s (>= %.0fx)" % ("met" if x >= want else "MISSED", want)
-        if r.get("impl") == "cudashare" and r.get("fill") is False:
-            target = "%s (>= 300,000/s)" % ("met" if r["handoffs_per_s"] >= 300000 else "MISSED")
-        print("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
-            r.get("impl"), mode, bufs, devices(r), verify, fmt(r.get("handoffs_per_s")),
-            fmt(r.get("p50_us"), 1), fmt(r.get("p99_us"), 1), ratio, target))
+        rate = r.get("handoffs_per_s")
+        xf = xl = xt = "-"
+        if impl == "floor":
+            xf = "floor"
+        elif impl == "limit":
+            xl = "limit"
+            if r.get("drain_ms") is not None and r.get("driver") != "sim":
+                drains.append("%s %.3f" % (r["row"], r["drain_ms"]))
+        else:
+            fl = floor.get(in_flight(r))
+            if fl and rate:
+                xf = ratio(rate / fl)
+            lm = limit.get((r.get("gpu_work"), r.get("size"), r.get("device"), r.get("consumer_device")))
+            if lm and rate and r.get("gpu_work") in ("fill", "fill+copy"):
+                xl = ratio(rate / lm["handoffs_per_s"])
+        if impl not in ("floor", "torch.multiprocessing"):
+            t = torch.get((r.get("mode"), r.get("size"), r.get("device"), r.get("consumer_device")))
+            if t and rate:
+                xt = ratio(rate / t)
+                want = TORCH_TARGETS.get(r.get("mode"))
+                if impl == "cudashare" and want and r.get("gpu_work") != "none":
+                    targets.append("%s: %s torch (target >= %.0fx): %s" % (r["row"], xt, want, "met" if rate / t >= want else "MISSED"))
+        if impl == "cudashare" and r.get("gpu_work") == "none" and in_flight(r) == 64:
+            targets.append("%s: %s/s (target >= %s/s): %s" % (r["row"], fmt(rate), fmt(HANDOFF_TARGET),
+                                                             "met" if rate >= HANDOFF_TARGET else "MISSED"))
+        cells += [fmt(rate), fmt(r.get("p50_us"), 1), fmt(r.get("p99_us"), 1), xf, xl, xt]
+        print("| " + " | ".join(cells) + " |")
     for r in rows:
         if "read_test" not in r and not r.get("row", "").startswith("read"):
             continue
@@ -151,26 +272,41 @@ def table(path):
         if not rt:
             print("read test: FAILED (%s)" % r.get("error"))
             continue
-        ok = "met" if rt["ratio"] <= READ_TARGET else "MISSED"
+        okr = "met" if rt["ratio"] <= READ_TARGET else "MISSED"
         print("| read a whole buffer (%s, GPU %s) | local ms | shared ms | shared / local | target |" % (size(rt["size"]), r.get("consumer_device")))
         print("| --- | ---: | ---: | ---: | --- |")
         print("| device-to-device copy of the whole buffer, median of %d samples of %d | %.3f | %.3f | %.3f | %s (<= %.2f) |" % (
-            rt["reps"], rt.get("copies_per_rep", 1), rt["local_ms"], rt["shared_ms"], rt["ratio"], ok, READ_TARGET))
+            rt["reps"], rt.get("copies_per_rep", 1), rt["local_ms"], rt["shared_ms"], rt["ratio"], okr, READ_TARGET))
+    print()
+    print("- x floor: handoffs/s over the bare socket's messages/s with as many in flight (one in flight: round trips/s); "
+          "x limit: over the same GPU work in one process with no IPC (fill: stream C only waits; fill + copy: it copies "
+          "the buffer), same buffer size and GPUs; x torch: over torch.multiprocessing, same mode, size and GPUs.")
+    print("- p50/p99: floor rows, the round trip; the others, one way, from the offer (send, put) to the consumer's "
+          "receipt on the host's CLOCK_MONOTONIC.")
+    if not floor:
+        notes.append("no floor row: ratios to the floor are not available")
+    if not limit:
+        notes.append("no limit row: ratios to the limit are not available")
     if not torch:
         notes.append("no torch row: ratios to torch are not available")
-    if notes:
-        print()
-        for n in notes:
-            print("- " + n)
+    if drains:
+        print("- limit rows, ms the GPU took to finish after the host queued the last batch (a full queue, a "
+              "millisecond or more: the GPU was the bound; a few µs: the host's driver calls were): " + ", ".join(drains))
+    for n in targets:
+        print("- target: " + n)
+    for n in notes:
+        print("- " + n)
 
 
 def main(argv):
     if len(argv) >= 6 and argv[0] == "row":
         row(*argv[1:])
-    elif len(argv) >= 4 and argv[0] == "torch":
-        torch_row(*argv[1:4])
-    elif len(argv) >= 2 and argv[0] == "table":
-        table(argv[1])
+    elif len(argv) >= 4 and argv[0] in ("tool", "torch"):
+        tool(*argv[1:])
+    elif len(argv) >= 3 and argv[0] == "skip":
+        skip(*argv[1:])
+    elif len(argv) in (2, 3) and argv[0] == "table":
+        table(*argv[1:])
     else:
         sys.stderr.write(__doc__)
         return 2
