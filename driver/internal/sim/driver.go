@@ -67,6 +67,7 @@ type Driver struct {
 	lastEvent   uint64
 	imports     map[importKey]*memObj
 	binds       map[bindKey]*binding
+	vmm         vmmState
 
 	violMu  sync.Mutex
 	violErr error // first failure to record a violation
@@ -211,6 +212,7 @@ func (d *Driver) Deinit() {
 	for c := range d.contexts {
 		d.destroyContext(c, true)
 	}
+	d.vmmTeardown()
 	d.reg.close()
 }
 
@@ -409,6 +411,8 @@ func (d *Driver) DeviceGetAttribute(value *int32, attrib int32, dev api.Device) 
 	case api.AttrUnifiedAddressing, api.AttrVirtualMemoryManagementSupported,
 		api.AttrHandleTypePosixFileDescriptorSupported, api.AttrIpcEventSupported:
 		*value = 1
+	case api.AttrHandleTypeFabricSupported:
+		*value = 0
 	case api.AttrComputeCapabilityMajor:
 		*value = dv.ccMajor
 	case api.AttrComputeCapabilityMinor:

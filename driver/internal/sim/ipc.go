@@ -142,7 +142,8 @@ func (d *Driver) IpcGetMemHandle(handle *api.IpcMemHandle, dptr api.DevicePtr) a
 		return r
 	}
 	o := d.space.find(uint64(dptr))
-	if o == nil || o.imported {
+	if o == nil || o.imported || o.vmm != nil {
+		// A VMM mapping has no legacy IPC handle (unverified code).
 		return api.ErrorInvalidValue
 	}
 	handle.Reserved = d.encodeIPC(ipcFields{
