@@ -90,7 +90,15 @@ type child struct {
 // environment entries (KEY=VALUE).
 func startChild(t *testing.T, e *confEnv, name string, params map[string]string, env ...string) *child {
 	t.Helper()
+	return startChildFiles(t, e, name, params, nil, env...)
+}
+
+// startChildFiles is startChild that also passes files to the child: the
+// first is its fd 3, and so on.
+func startChildFiles(t *testing.T, e *confEnv, name string, params map[string]string, files []*os.File, env ...string) *child {
+	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.ExtraFiles = files
 	cmd.Env = append(os.Environ(), envChild+"="+name, "CONF_BACKEND="+e.d.Backend())
 	for k, v := range params {
 		cmd.Env = append(cmd.Env, "CONF_"+k+"="+v)

@@ -535,7 +535,7 @@ func conformanceCases() []confCase {
 		run: func(t *testing.T, e *confEnv) api.Result {
 			return runOnTopology(t, e, topoPeerLimit, "open-too-many-peers", nil)
 		}})
-	return cs
+	return append(cs, vmmCases()...)
 }
 
 // noPeerPair finds a real pair of devices without peer access, for running
