@@ -35,7 +35,8 @@
 //     by every process and changed only under an exclusive flock on it. A
 //     slot holds the allocation's global buffer id (never reused in the
 //     directory), a random nonce, the owner (pid, Driver instance, process
-//     start time from /proc/<pid>/stat), the host-global device, the size,
+//     start time from /proc/<pid>/stat, PID namespace inode), the
+//     host-global device, the size,
 //     a state (live, or orphaned: owner gone but still mapped elsewhere) and
 //     a table of up to 32 mapper processes with their mapping counts. Device
 //     memory in use is the sum over slots, so it is never out of step with
@@ -46,6 +47,10 @@
 //     operations on these mappings.
 //   - violations.jsonl: the violation log, one JSON line per O_APPEND write,
 //     so lines from concurrent processes never interleave.
+//   - proc-<ns>-<pid>-<start>: one presence file per process using the
+//     directory, on which the process holds a shared flock while it uses
+//     the directory. A process in another PID namespace is alive while its
+//     file is locked: its pid means nothing in this one's /proc.
 //
 // A process that is gone (its pid has no /proc entry, is a zombie, or was
 // reused: the start time differs) counts as having unmapped everything, as
@@ -54,6 +59,21 @@
 // an allocation would not fit, when a free or an open looks at a slot, and
 // in cuMemGetInfo. A process killed in the middle of a registry update can
 // leave that one slot inconsistent; the flock itself dies with it.
+//
+// # PID namespaces
+//
+// Processes in different PID namespaces (unshare --pid, containers) share a
+// machine when they share the state directory. Pids are recorded with their
+// namespace's inode, liveness across namespaces goes by presence files, and
+// legacy IPC handles follow the real driver (measured, GPU.md): they open
+// between a parent and a child namespace either way, and fail between
+// siblings with CUDA_ERROR_INVALID_CONTEXT. A process sees that a namespace
+// is below its own when the namespace's processes show in its /proc; that
+// one is above it, only from CUDASHARE_SIM_PIDNS, which every sim process
+// sets (appending its namespace) for the processes it starts. A process put
+// in a new namespace by a process that never used the sim therefore treats
+// handles from the namespaces above as a sibling's. VMM fds need none of
+// this: they import in any namespace.
 //
 // Why this design: an mmap'd table under flock needs no daemon and no
 // socket, survives any process being killed (the kernel drops its lock and

@@ -123,8 +123,13 @@ func NewWithConfig(cfg Config) (*Driver, error) {
 	if err != nil {
 		return nil, err
 	}
+	pidNS() // learn the PID namespaces, and pass them on to children
+	if err := holdPresence(dir, self); err != nil {
+		return nil, err
+	}
 	reg, err := openRegistry(dir, m.hash)
 	if err != nil {
+		dropPresence(dir)
 		return nil, err
 	}
 	d := &Driver{
@@ -182,7 +187,7 @@ func ResetState(dir string) error {
 	var errs []error
 	for _, e := range ents {
 		n := e.Name()
-		if n == registryFile || n == violationsFile || strings.HasPrefix(n, bufferPrefix) {
+		if n == registryFile || n == violationsFile || strings.HasPrefix(n, bufferPrefix) || strings.HasPrefix(n, presencePrefix) {
 			if err := os.Remove(filepath.Join(dir, n)); err != nil && !errors.Is(err, os.ErrNotExist) {
 				errs = append(errs, err)
 			}
@@ -214,6 +219,7 @@ func (d *Driver) Deinit() {
 	}
 	d.vmmTeardown()
 	d.reg.close()
+	dropPresence(d.dir)
 }
 
 // ready is the init check every call but cuDriverGetVersion starts with.

@@ -226,7 +226,7 @@ func (d *Driver) MemAlloc(dptr *api.DevicePtr, bytesize uint64) api.Result {
 		return api.ErrorUnknown
 	}
 	defer d.reg.unlock()
-	i, ok := d.reg.alloc(uint32(c.hdev), bytesize, span, total, newLiveness(d.self))
+	i, ok := d.reg.alloc(uint32(c.hdev), bytesize, span, total, d.live())
 	if !ok {
 		return api.ErrorOutOfMemory
 	}
@@ -265,7 +265,7 @@ func (d *Driver) MemFree(dptr api.DevicePtr) api.Result {
 	}
 	defer d.reg.unlock()
 	if d.slotIsOurs(o) {
-		if live := d.reg.liveMappers(o.slot, newLiveness(d.self)); len(live) > 0 {
+		if live := d.reg.liveMappers(o.slot, d.live()); len(live) > 0 {
 			d.violate(kindFreeWhileMapped, fmt.Sprintf("cuMemFree(%#x): buffer %d (global %d, %d bytes) is mapped by %s",
 				o.base, o.bufID, o.gid, o.size, pids(live)))
 			return api.ErrorIllegalState
@@ -291,7 +291,7 @@ func (d *Driver) MemGetInfo(free, total *uint64) api.Result {
 		return api.ErrorUnknown
 	}
 	defer d.reg.unlock()
-	d.reg.sweep(newLiveness(d.self))
+	d.reg.sweep(d.live())
 	t := d.m.devices[c.hdev].totalMem
 	if total != nil {
 		*total = t

@@ -155,7 +155,7 @@ func (d *Driver) hold(h vmmHeader, creating bool) {
 		return
 	}
 	defer d.reg.unlock()
-	l := newLiveness(d.self)
+	l := d.live()
 	d.reg.sweepSlot(v.slot, l)
 	if s := d.reg.slot(v.slot); s.state != slotEmpty && s.id == h.gid {
 		v.counted = d.reg.addMapper(v.slot, l)
@@ -285,7 +285,7 @@ func (d *Driver) MemCreate(handle *api.MemHandle, size uint64, prop *api.MemAllo
 	if d.reg.lock() != nil {
 		return api.ErrorUnknown
 	}
-	slot, ok := d.reg.alloc(uint32(hdev), size, size, total, newLiveness(d.self))
+	slot, ok := d.reg.alloc(uint32(hdev), size, size, total, d.live())
 	if !ok {
 		d.reg.unlock()
 		return api.ErrorOutOfMemory
