@@ -187,7 +187,7 @@ func ResetState(dir string) error {
 	var errs []error
 	for _, e := range ents {
 		n := e.Name()
-		if n == registryFile || n == violationsFile || strings.HasPrefix(n, bufferPrefix) || strings.HasPrefix(n, presencePrefix) {
+		if n == registryFile || n == violationsFile || strings.HasPrefix(n, bufferPrefix) || strings.HasPrefix(n, presencePrefix) || strings.HasPrefix(n, "."+presencePrefix) {
 			if err := os.Remove(filepath.Join(dir, n)); err != nil && !errors.Is(err, os.ErrNotExist) {
 				errs = append(errs, err)
 			}

@@ -138,13 +138,24 @@ func holdPresence(dir string, self procID) error {
 		p.refs++
 		return nil
 	}
+	sweepPresence(dir)
+	// Locked under a temporary name and renamed: a file under the final name
+	// is always locked while its process lives, so a sweep never takes it
+	// for a dead one's.
 	path := filepath.Join(dir, presenceName(selfNS(), self))
-	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CREAT|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0o600)
+	tmp := filepath.Join(dir, fmt.Sprintf(".%s%d-%d", presencePrefix, self.pid, self.start))
+	fd, err := unix.Open(tmp, unix.O_RDWR|unix.O_CREAT|unix.O_TRUNC|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0o600)
 	if err != nil {
 		return fmt.Errorf("sim presence file: %w", err)
 	}
 	if err := flock(fd, unix.LOCK_SH); err != nil {
 		unix.Close(fd)
+		unix.Unlink(tmp)
+		return fmt.Errorf("sim presence file: %w", err)
+	}
+	if err := unix.Rename(tmp, path); err != nil {
+		unix.Close(fd)
+		unix.Unlink(tmp)
 		return fmt.Errorf("sim presence file: %w", err)
 	}
 	if presences.m == nil {
@@ -152,6 +163,30 @@ func holdPresence(dir string, self procID) error {
 	}
 	presences.m[dir] = &presence{fd: fd, path: path, refs: 1}
 	return nil
+}
+
+// sweepPresence removes the presence files of processes that are gone
+// (which exited without Deinit, as most do), so the directory does not
+// collect one file per process ever run.
+func sweepPresence(dir string) {
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return
+	}
+	for _, e := range ents {
+		if !strings.HasPrefix(e.Name(), presencePrefix) {
+			continue
+		}
+		path := filepath.Join(dir, e.Name())
+		fd, err := unix.Open(path, unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
+		if err != nil {
+			continue
+		}
+		if unix.Flock(fd, unix.LOCK_EX|unix.LOCK_NB) == nil {
+			_ = unix.Unlink(path)
+		}
+		unix.Close(fd)
+	}
 }
 
 // dropPresence undoes one holdPresence.

@@ -144,3 +144,44 @@ func TestVMMStrict(t *testing.T) {
 		t.Errorf("violations %v, want %v", got, want)
 	}
 }
+
+// TestPresence: a process of another PID namespace is alive while its
+// presence file is locked, gone once nobody holds it (and the file goes),
+// and gone when it has no file.
+func TestPresence(t *testing.T) {
+	dir := t.TempDir()
+	self, err := newProcID()
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := newLiveness(self)
+	l.dir = dir
+	foreign := procID{pid: 7, start: 12345}
+	const ns = 1 // no real PID namespace has inode 1
+	path := dir + "/" + presenceName(ns, foreign)
+	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CREAT|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := unix.Flock(fd, unix.LOCK_SH); err != nil {
+		t.Fatal(err)
+	}
+	if !l.aliveIn(foreign, ns) {
+		t.Error("a process holding its presence file reads as gone")
+	}
+	if l.aliveIn(procID{pid: 8, start: 12345}, ns) {
+		t.Error("a process without a presence file reads as alive")
+	}
+	sweepPresence(dir)
+	var st unix.Stat_t
+	if err := unix.Stat(path, &st); err != nil {
+		t.Error("sweepPresence removed a held presence file")
+	}
+	unix.Close(fd)
+	if l.aliveIn(foreign, ns) {
+		t.Error("a process whose presence file nobody holds reads as alive")
+	}
+	if unix.Stat(path, &st) == nil {
+		t.Error("the dead process's presence file is still there")
+	}
+}
