@@ -649,3 +649,30 @@ func BenchmarkCallOverhead(b *testing.B) {
 		}
 	})
 }
+
+// TestLoadWithoutVMM: a driver without the VMM calls (older than CUDA 10.2)
+// still loads, and those methods say CUDA_ERROR_NOT_SUPPORTED without a call.
+func TestLoadWithoutVMM(t *testing.T) {
+	f := loadFake(t, "cuMemCreate", "cuMemExportToShareableHandle", "cuMemImportFromShareableHandle")
+	for _, m := range []string{"MemCreate", "MemExportToShareableHandle", "MemImportFromShareableHandle"} {
+		if got := symbolOf(f.Driver, m); got != "" {
+			t.Errorf("%s bound to %q in a library without it", m, got)
+		}
+	}
+	f.Init(7)
+	var h api.MemHandle
+	prop := api.MemAllocationProp{}
+	var fd int32
+	for name, r := range map[string]api.Result{
+		"MemCreate":                    f.MemCreate(&h, 2<<20, &prop, 0),
+		"MemExportToShareableHandle":   f.MemExportToShareableHandle(unsafe.Pointer(&fd), 1, api.MemHandleTypePosixFileDescriptor, 0),
+		"MemImportFromShareableHandle": f.MemImportFromShareableHandle(&h, 3, api.MemHandleTypePosixFileDescriptor),
+	} {
+		if r != api.ErrorNotSupported {
+			t.Errorf("%s = %s, want CUDA_ERROR_NOT_SUPPORTED", name, r.Name())
+		}
+	}
+	if c := f.lastCall(); c.Name != "cuInit" {
+		t.Fatalf("absent symbols still made a call: last call %s", c.Name)
+	}
+}
