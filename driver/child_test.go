@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"os/exec"
+	"runtime"
 	"strconv"
 	"strings"
 	"testing"
@@ -43,6 +44,10 @@ func (c *childCtx) ready(note string) {
 
 // runChildMain is called from TestMain in a child.
 func runChildMain(name string) int {
+	// The routines make a context current and then call the driver: the
+	// current context belongs to the thread, so keep to one.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
 	f, ok := childMains[name]
 	if !ok {
 		fmt.Printf("RESULT -1 unknown child %q\n", name)
@@ -90,7 +95,22 @@ type child struct {
 // environment entries (KEY=VALUE).
 func startChild(t *testing.T, e *confEnv, name string, params map[string]string, env ...string) *child {
 	t.Helper()
-	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	return startChildFiles(t, e, name, params, nil, env...)
+}
+
+// startChildFiles is startChild that also passes files to the child: the
+// first is its fd 3, and so on.
+func startChildFiles(t *testing.T, e *confEnv, name string, params map[string]string, files []*os.File, env ...string) *child {
+	t.Helper()
+	return startChildWrapped(t, e, nil, name, params, files, env...)
+}
+
+// startChildWrapped runs the child under a command prefix, such as unshare.
+func startChildWrapped(t *testing.T, e *confEnv, wrap []string, name string, params map[string]string, files []*os.File, env ...string) *child {
+	t.Helper()
+	args := append(append([]string(nil), wrap...), os.Args[0], "-test.run=^$")
+	cmd := exec.Command(args[0], args[1:]...)
+	cmd.ExtraFiles = files
 	cmd.Env = append(os.Environ(), envChild+"="+name, "CONF_BACKEND="+e.d.Backend())
 	for k, v := range params {
 		cmd.Env = append(cmd.Env, "CONF_"+k+"="+v)

@@ -86,8 +86,37 @@ func childCall(c *childCtx) (api.Result, string) {
 		}
 		d.Deinit()
 	}
-	var v int32
+	var (
+		v     int32
+		g     uint64
+		h     api.MemHandle
+		p     api.DevicePtr
+		fd    int32
+		prop  = rawProp(0, api.MemHandleTypePosixFileDescriptor)
+		loc   = api.MemLocation{Type: api.MemLocationTypeDevice}
+		bogus = api.DevicePtr(1 << 40)
+	)
 	switch c.param("FN") {
+	case "cuMemGetAllocationGranularity":
+		return c.a.MemGetAllocationGranularity(&g, &prop, api.MemAllocGranularityMinimum), ""
+	case "cuMemCreate":
+		return c.a.MemCreate(&h, 2<<20, &prop, 0), ""
+	case "cuMemRelease":
+		return c.a.MemRelease(1), ""
+	case "cuMemExportToShareableHandle":
+		return c.a.MemExportToShareableHandle(unsafe.Pointer(&fd), 1, api.MemHandleTypePosixFileDescriptor, 0), ""
+	case "cuMemImportFromShareableHandle":
+		return c.a.MemImportFromShareableHandle(&h, 0, api.MemHandleTypePosixFileDescriptor), ""
+	case "cuMemAddressReserve":
+		return c.a.MemAddressReserve(&p, 2<<20, 0, 0, 0), ""
+	case "cuMemAddressFree":
+		return c.a.MemAddressFree(bogus, 2<<20), ""
+	case "cuMemMap":
+		return c.a.MemMap(bogus, 2<<20, 0, 1, 0), ""
+	case "cuMemUnmap":
+		return c.a.MemUnmap(bogus, 2<<20), ""
+	case "cuMemGetAccess":
+		return c.a.MemGetAccess(&g, &loc, bogus), ""
 	case "cuCtxEnablePeerAccess":
 		return c.a.CtxEnablePeerAccess(c1, 0), ""
 	case "cuCtxDisablePeerAccess":

@@ -535,7 +535,8 @@ func conformanceCases() []confCase {
 		run: func(t *testing.T, e *confEnv) api.Result {
 			return runOnTopology(t, e, topoPeerLimit, "open-too-many-peers", nil)
 		}})
-	return cs
+	cs = append(cs, pidnsCases()...)
+	return append(cs, vmmCases()...)
 }
 
 // noPeerPair finds a real pair of devices without peer access, for running
@@ -581,6 +582,18 @@ func runOnTopology(t *testing.T, e *confEnv, topo, routine string, realPair func
 // check the pattern.
 func ipcOpenFromChild(t *testing.T, e *confEnv, dev int, env []string) api.Result {
 	t.Helper()
+	return ipcOpenFromChildIn(t, e, nil, dev, env)
+}
+
+// ipcOpenFromChildWrapped is ipcOpenFromChild on device 0 with the child
+// run under a command prefix (unshare).
+func ipcOpenFromChildWrapped(t *testing.T, e *confEnv, wrap []string) api.Result {
+	t.Helper()
+	return ipcOpenFromChildIn(t, e, wrap, 0, nil)
+}
+
+func ipcOpenFromChildIn(t *testing.T, e *confEnv, wrap []string, dev int, env []string) api.Result {
+	t.Helper()
 	e.needDevices(t, 1)
 	lockThread(t)
 	c := e.primary(t, 0)
@@ -593,7 +606,7 @@ func ipcOpenFromChild(t *testing.T, e *confEnv, dev int, env []string) api.Resul
 	}
 	e.a.CtxSynchronize()
 	h := e.handle(t, p)
-	r, note := startChild(t, e, "open-handle", map[string]string{"HANDLE": hexHandle(h), "DEV": strconv.Itoa(dev), "CHECK": "1"}, env...).finish()
+	r, note := startChildWrapped(t, e, wrap, "open-handle", map[string]string{"HANDLE": hexHandle(h), "DEV": strconv.Itoa(dev), "CHECK": "1"}, nil, env...).finish()
 	t.Log(note)
 	return r
 }

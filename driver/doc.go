@@ -16,4 +16,19 @@
 // the call, then unlocks. A caller can therefore never run a driver call
 // against the wrong context. The cost is one extra cuCtxSetCurrent per call;
 // BenchmarkContextCall measures it.
+//
+// # Virtual memory management
+//
+// Besides legacy IPC handles (IpcGetMemHandle), memory can be shared as
+// POSIX file descriptors: Context.MemCreate with Exportable makes an
+// Allocation, Allocation.ExportFD gives an fd per consumer to send with
+// SCM_RIGHTS, Context.ImportFD in the consumer turns the fd back into an
+// Allocation, and Context.Map makes it addressable (with access for the
+// context's device and any peers). The memory lives while any Allocation,
+// fd or Mapping of it exists in any process, so a producer may exit, or be
+// killed, under its consumers. Unlike legacy handles this works between
+// processes in sibling PID namespaces (containers). Device.VMMSupport and
+// Device.AllocationGranularity say what a device offers; fabric handles are
+// reported but not implemented (ErrFabricUnsupported). The real-driver side
+// of this has not run on a GPU yet: docs/gpu-driver-conformance.md.
 package driver

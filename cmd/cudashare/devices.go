@@ -32,6 +32,7 @@ func runDevices(args []string, stdout, stderr io.Writer) int {
 		minor, _ := dev.Attribute(driver.AttrComputeCapabilityMinor)
 		ipc, _ := dev.Attribute(driver.AttrIpcEventSupported)
 		fmt.Fprintf(stdout, "  %d  %s  %s  %.1f GiB  sm_%d%d  ipc-events=%d\n", dev.Ordinal(), dev.UUID(), name, float64(mem)/(1<<30), major, minor, ipc)
+		fmt.Fprintf(stdout, "     vmm: %s\n", vmmLine(dev))
 	}
 	if len(devs) < 2 {
 		return exitOK
@@ -66,4 +67,32 @@ func runDevices(args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	return exitOK
+}
+
+// vmmLine reports a device's virtual memory management support: VMM itself,
+// POSIX-fd and fabric handles, and the allocation granularity.
+func vmmLine(dev *driver.Device) string {
+	s, err := dev.VMMSupport()
+	if err != nil {
+		return err.Error()
+	}
+	line := fmt.Sprintf("supported=%v posix-fd=%v fabric=%v", s.VMM, s.PosixFD, s.Fabric)
+	if !s.VMM {
+		return line
+	}
+	min, rec, err := dev.AllocationGranularity()
+	if err != nil {
+		return line + "  granularity: " + err.Error()
+	}
+	return line + fmt.Sprintf("  granularity=%s (recommended %s)", granSize(min), granSize(rec))
+}
+
+func granSize(n uint64) string {
+	switch {
+	case n >= 1<<20 && n%(1<<20) == 0:
+		return fmt.Sprintf("%d MiB", n>>20)
+	case n >= 1<<10 && n%(1<<10) == 0:
+		return fmt.Sprintf("%d KiB", n>>10)
+	}
+	return fmt.Sprintf("%d B", n)
 }

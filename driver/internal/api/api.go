@@ -147,6 +147,72 @@ const (
 	AttrVirtualMemoryManagementSupported       int32 = 102
 	AttrHandleTypePosixFileDescriptorSupported int32 = 103
 	AttrIpcEventSupported                      int32 = 125
+	AttrHandleTypeFabricSupported              int32 = 128
+)
+
+// MemHandle is CUmemGenericAllocationHandle: a VMM allocation of this
+// process (cuMemCreate, cuMemImportFromShareableHandle). Zero is never a
+// handle.
+type MemHandle uint64
+
+// MemLocation is CUmemLocation (8 bytes).
+type MemLocation struct {
+	Type int32 // CUmemLocationType
+	ID   int32
+}
+
+// MemAllocFlags is the allocFlags member of CUmemAllocationProp (8 bytes).
+type MemAllocFlags struct {
+	CompressionType      uint8
+	GPUDirectRDMACapable uint8
+	Usage                uint16
+	Reserved             [4]uint8
+}
+
+// MemAllocationProp is CUmemAllocationProp: 32 bytes on x86-64 (measured
+// with the CUDA 13.0 headers, see GPU.md).
+type MemAllocationProp struct {
+	Type                 int32 // CUmemAllocationType
+	RequestedHandleTypes int32 // CUmemAllocationHandleType bits
+	Location             MemLocation
+	Win32HandleMetaData  uintptr // must be 0 off Windows
+	AllocFlags           MemAllocFlags
+}
+
+// MemAccessDesc is CUmemAccessDesc (12 bytes).
+type MemAccessDesc struct {
+	Location MemLocation
+	Flags    int32 // CUmemAccess_flags
+}
+
+// VMM enums, from cuda.h (CUDA 13.0).
+const (
+	MemAllocationTypePinned int32 = 1 // CU_MEM_ALLOCATION_TYPE_PINNED
+
+	MemLocationTypeInvalid int32 = 0 // CU_MEM_LOCATION_TYPE_INVALID
+	MemLocationTypeDevice  int32 = 1 // CU_MEM_LOCATION_TYPE_DEVICE
+	MemLocationTypeHost    int32 = 2 // CU_MEM_LOCATION_TYPE_HOST
+
+	MemHandleTypeNone                int32 = 0x0 // CU_MEM_HANDLE_TYPE_NONE
+	MemHandleTypePosixFileDescriptor int32 = 0x1 // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+	MemHandleTypeWin32               int32 = 0x2 // CU_MEM_HANDLE_TYPE_WIN32
+	MemHandleTypeWin32Kmt            int32 = 0x4 // CU_MEM_HANDLE_TYPE_WIN32_KMT
+	MemHandleTypeFabric              int32 = 0x8 // CU_MEM_HANDLE_TYPE_FABRIC
+
+	MemAccessProtNone      int32 = 0 // CU_MEM_ACCESS_FLAGS_PROT_NONE
+	MemAccessProtRead      int32 = 1 // CU_MEM_ACCESS_FLAGS_PROT_READ
+	MemAccessProtReadWrite int32 = 3 // CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+
+	MemAllocGranularityMinimum     int32 = 0 // CU_MEM_ALLOC_GRANULARITY_MINIMUM
+	MemAllocGranularityRecommended int32 = 1 // CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+)
+
+// The layouts are the C ABI's; pin them.
+var (
+	_ [32 - unsafe.Sizeof(MemAllocationProp{})]struct{}
+	_ [unsafe.Sizeof(MemAllocationProp{}) - 32]struct{}
+	_ [12 - unsafe.Sizeof(MemAccessDesc{})]struct{}
+	_ [unsafe.Sizeof(MemAccessDesc{}) - 12]struct{}
 )
 
 // CUdevice_P2PAttribute values.
@@ -284,6 +350,23 @@ type API interface {
 	IpcGetMemHandle(handle *IpcMemHandle, dptr DevicePtr) Result
 	IpcOpenMemHandle(dptr *DevicePtr, handle IpcMemHandle, flags uint32) Result
 	IpcCloseMemHandle(dptr DevicePtr) Result
+
+	// Virtual memory management. None of these has a versioned symbol in
+	// cuda.h 13.0. osHandle of cuMemImportFromShareableHandle is a void*
+	// that for CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR carries the fd
+	// itself, so it is a uintptr here, not a pointer; shareableHandle of the
+	// export points to an int for that type.
+	MemGetAllocationGranularity(granularity *uint64, prop *MemAllocationProp, option int32) Result
+	MemCreate(handle *MemHandle, size uint64, prop *MemAllocationProp, flags uint64) Result
+	MemRelease(handle MemHandle) Result
+	MemExportToShareableHandle(shareableHandle unsafe.Pointer, handle MemHandle, handleType int32, flags uint64) Result
+	MemImportFromShareableHandle(handle *MemHandle, osHandle uintptr, handleType int32) Result
+	MemAddressReserve(ptr *DevicePtr, size, alignment uint64, addr DevicePtr, flags uint64) Result
+	MemAddressFree(ptr DevicePtr, size uint64) Result
+	MemMap(ptr DevicePtr, size, offset uint64, handle MemHandle, flags uint64) Result
+	MemUnmap(ptr DevicePtr, size uint64) Result
+	MemSetAccess(ptr DevicePtr, size uint64, desc *MemAccessDesc, count uint64) Result
+	MemGetAccess(flags *uint64, location *MemLocation, ptr DevicePtr) Result
 }
 
 // Violation is one breach of a lifetime rule that the real driver leaves

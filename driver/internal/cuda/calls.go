@@ -239,3 +239,97 @@ func (d *Driver) ErrorName(r api.Result) string {
 	}
 	return string(unsafe.Slice(s, n))
 }
+
+// The VMM calls return CUDA_ERROR_NOT_SUPPORTED, without a call, on a driver
+// that does not export them. CUmemGenericAllocationHandle is an unsigned
+// long long, and the flags are unsigned long long: one word each.
+
+func (d *Driver) MemGetAllocationGranularity(granularity *uint64, prop *api.MemAllocationProp, option int32) api.Result {
+	f := d.fns[fnMemGetAllocationGranularity]
+	if f == 0 {
+		return api.ErrorNotSupported
+	}
+	return result(call3(f, uintptr(unsafe.Pointer(granularity)), uintptr(unsafe.Pointer(prop)), uintptr(option)))
+}
+
+func (d *Driver) MemCreate(handle *api.MemHandle, size uint64, prop *api.MemAllocationProp, flags uint64) api.Result {
+	f := d.fns[fnMemCreate]
+	if f == 0 {
+		return api.ErrorNotSupported
+	}
+	return result(call4(f, uintptr(unsafe.Pointer(handle)), uintptr(size), uintptr(unsafe.Pointer(prop)), uintptr(flags)))
+}
+
+func (d *Driver) MemRelease(handle api.MemHandle) api.Result {
+	f := d.fns[fnMemRelease]
+	if f == 0 {
+		return api.ErrorNotSupported
+	}
+	return result(call1(f, uintptr(handle)))
+}
+
+func (d *Driver) MemExportToShareableHandle(shareableHandle unsafe.Pointer, handle api.MemHandle, handleType int32, flags uint64) api.Result {
+	f := d.fns[fnMemExportToShareableHandle]
+	if f == 0 {
+		return api.ErrorNotSupported
+	}
+	return result(call4(f, uintptr(shareableHandle), uintptr(handle), uintptr(handleType), uintptr(flags)))
+}
+
+// MemImportFromShareableHandle passes osHandle as the pointer-sized value
+// itself: for a POSIX fd, the fd (measured on driver 580, GPU.md).
+func (d *Driver) MemImportFromShareableHandle(handle *api.MemHandle, osHandle uintptr, handleType int32) api.Result {
+	f := d.fns[fnMemImportFromShareableHandle]
+	if f == 0 {
+		return api.ErrorNotSupported
+	}
+	return result(call3(f, uintptr(unsafe.Pointer(handle)), osHandle, uintptr(handleType)))
+}
+
+func (d *Driver) MemAddressReserve(ptr *api.DevicePtr, size, alignment uint64, addr api.DevicePtr, flags uint64) api.Result {
+	f := d.fns[fnMemAddressReserve]
+	if f == 0 {
+		return api.ErrorNotSupported
+	}
+	return result(call5(f, uintptr(unsafe.Pointer(ptr)), uintptr(size), uintptr(alignment), uintptr(addr), uintptr(flags)))
+}
+
+func (d *Driver) MemAddressFree(ptr api.DevicePtr, size uint64) api.Result {
+	f := d.fns[fnMemAddressFree]
+	if f == 0 {
+		return api.ErrorNotSupported
+	}
+	return result(call2(f, uintptr(ptr), uintptr(size)))
+}
+
+func (d *Driver) MemMap(ptr api.DevicePtr, size, offset uint64, handle api.MemHandle, flags uint64) api.Result {
+	f := d.fns[fnMemMap]
+	if f == 0 {
+		return api.ErrorNotSupported
+	}
+	return result(call5(f, uintptr(ptr), uintptr(size), uintptr(offset), uintptr(handle), uintptr(flags)))
+}
+
+func (d *Driver) MemUnmap(ptr api.DevicePtr, size uint64) api.Result {
+	f := d.fns[fnMemUnmap]
+	if f == 0 {
+		return api.ErrorNotSupported
+	}
+	return result(call2(f, uintptr(ptr), uintptr(size)))
+}
+
+func (d *Driver) MemSetAccess(ptr api.DevicePtr, size uint64, desc *api.MemAccessDesc, count uint64) api.Result {
+	f := d.fns[fnMemSetAccess]
+	if f == 0 {
+		return api.ErrorNotSupported
+	}
+	return result(call4(f, uintptr(ptr), uintptr(size), uintptr(unsafe.Pointer(desc)), uintptr(count)))
+}
+
+func (d *Driver) MemGetAccess(flags *uint64, location *api.MemLocation, ptr api.DevicePtr) api.Result {
+	f := d.fns[fnMemGetAccess]
+	if f == 0 {
+		return api.ErrorNotSupported
+	}
+	return result(call3(f, uintptr(unsafe.Pointer(flags)), uintptr(unsafe.Pointer(location)), uintptr(ptr)))
+}

@@ -79,6 +79,17 @@ const (
 	fnIpcGetMemHandle
 	fnIpcOpenMemHandle
 	fnIpcCloseMemHandle
+	fnMemGetAllocationGranularity
+	fnMemCreate
+	fnMemRelease
+	fnMemExportToShareableHandle
+	fnMemImportFromShareableHandle
+	fnMemAddressReserve
+	fnMemAddressFree
+	fnMemMap
+	fnMemUnmap
+	fnMemSetAccess
+	fnMemGetAccess
 	fnGetErrorName
 	numFns
 )
@@ -108,9 +119,12 @@ type binding struct {
 //     cuEventElapsedTime to) falls back to cuEventElapsedTime, same
 //     signature.
 //
-// cuDeviceGetP2PAtomicCapabilities (CUDA 12.8+) is the only optional symbol:
-// it is a query whose absence the caller can treat as "not supported", while
-// every other symbol is needed for cudashare to work at all.
+// cuDeviceGetP2PAtomicCapabilities (CUDA 12.8+) and the virtual memory
+// management calls (CUDA 10.2+) are optional: their absence makes the method
+// return CUDA_ERROR_NOT_SUPPORTED, which the caller treats as "this driver
+// cannot", while every other symbol is needed for cudashare to work at all.
+// cuda.h 13.0 maps none of the VMM names to a versioned symbol (no #define
+// for them), so the plain names are the ones bound.
 //
 // cuMemsetD8Async, cuMemcpyPeer, cuStreamSynchronize, cuStreamWaitEvent and
 // cuEventRecord have _ptsz/_ptds variants that cuda.h selects only under
@@ -166,6 +180,17 @@ var bindings = [numFns]binding{
 	fnIpcGetMemHandle:                {method: "IpcGetMemHandle", symbols: []string{"cuIpcGetMemHandle"}},
 	fnIpcOpenMemHandle:               {method: "IpcOpenMemHandle", symbols: []string{"cuIpcOpenMemHandle_v2"}},
 	fnIpcCloseMemHandle:              {method: "IpcCloseMemHandle", symbols: []string{"cuIpcCloseMemHandle"}},
+	fnMemGetAllocationGranularity:    {method: "MemGetAllocationGranularity", symbols: []string{"cuMemGetAllocationGranularity"}, optional: true},
+	fnMemCreate:                      {method: "MemCreate", symbols: []string{"cuMemCreate"}, optional: true},
+	fnMemRelease:                     {method: "MemRelease", symbols: []string{"cuMemRelease"}, optional: true},
+	fnMemExportToShareableHandle:     {method: "MemExportToShareableHandle", symbols: []string{"cuMemExportToShareableHandle"}, optional: true},
+	fnMemImportFromShareableHandle:   {method: "MemImportFromShareableHandle", symbols: []string{"cuMemImportFromShareableHandle"}, optional: true},
+	fnMemAddressReserve:              {method: "MemAddressReserve", symbols: []string{"cuMemAddressReserve"}, optional: true},
+	fnMemAddressFree:                 {method: "MemAddressFree", symbols: []string{"cuMemAddressFree"}, optional: true},
+	fnMemMap:                         {method: "MemMap", symbols: []string{"cuMemMap"}, optional: true},
+	fnMemUnmap:                       {method: "MemUnmap", symbols: []string{"cuMemUnmap"}, optional: true},
+	fnMemSetAccess:                   {method: "MemSetAccess", symbols: []string{"cuMemSetAccess"}, optional: true},
+	fnMemGetAccess:                   {method: "MemGetAccess", symbols: []string{"cuMemGetAccess"}, optional: true},
 	fnGetErrorName:                   {method: "ErrorName", symbols: []string{"cuGetErrorName"}},
 }
 

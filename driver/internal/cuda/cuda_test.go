@@ -325,6 +325,12 @@ func TestDispatch(t *testing.T) {
 		ops        = make([]int32, api.AtomicOperationCount)
 		attrTarget uint64
 		attr       = unsafe.Pointer(&attrTarget)
+		vmm        api.MemHandle
+		prop       = api.MemAllocationProp{Type: api.MemAllocationTypePinned, RequestedHandleTypes: api.MemHandleTypePosixFileDescriptor,
+			Location: api.MemLocation{Type: api.MemLocationTypeDevice, ID: 5}, AllocFlags: api.MemAllocFlags{GPUDirectRDMACapable: 1}}
+		access = [2]api.MemAccessDesc{{}, {Location: api.MemLocation{Type: api.MemLocationTypeDevice, ID: -2}, Flags: api.MemAccessProtReadWrite}}
+		loc    api.MemLocation
+		fd     int32
 	)
 	const (
 		ctxA   = api.Context(0x7f00_0000_1000)
@@ -423,6 +429,51 @@ func TestDispatch(t *testing.T) {
 		{"IpcOpenMemHandle", func() api.Result { return f.IpcOpenMemHandle(&dptr, memHandle, api.IpcMemLazyEnablePeerAccess) },
 			"cuIpcOpenMemHandle_v2", []uint64{ptr(&dptr), 1}, nil},
 		{"IpcCloseMemHandle", func() api.Result { return f.IpcCloseMemHandle(dpB) }, "cuIpcCloseMemHandle", []uint64{uint64(dpB)}, nil},
+		// The fake also records the CUmemAllocationProp and CUmemAccessDesc
+		// fields that gcc's layout puts where our structs put them.
+		{"MemGetAllocationGranularity", func() api.Result {
+			return f.MemGetAllocationGranularity(&u64, &prop, api.MemAllocGranularityRecommended)
+		},
+			"cuMemGetAllocationGranularity", []uint64{ptr(&u64), ptr(&prop), 1, 1, 1, 1, 5},
+			func(t *testing.T) {
+				if u64 != 2<<20 {
+					t.Errorf("granularity = %d", u64)
+				}
+			}},
+		{"MemCreate", func() api.Result { return f.MemCreate(&vmm, bigLen, &prop, 1<<63) },
+			"cuMemCreate", []uint64{ptr(&vmm), bigLen, ptr(&prop), 1 << 63, 1, 5, 1},
+			func(t *testing.T) {
+				if vmm != 0xabcdef0123 {
+					t.Errorf("handle = %#x", vmm)
+				}
+			}},
+		{"MemRelease", func() api.Result { return f.MemRelease(0xffff_0000_0000_0001) }, "cuMemRelease", []uint64{0xffff_0000_0000_0001}, nil},
+		{"MemExportToShareableHandle", func() api.Result {
+			return f.MemExportToShareableHandle(unsafe.Pointer(&fd), 0x8000_0000_0000_0002, api.MemHandleTypePosixFileDescriptor, 0)
+		}, "cuMemExportToShareableHandle", []uint64{ptr(&fd), 0x8000_0000_0000_0002, 1, 0},
+			func(t *testing.T) {
+				if fd != 42 {
+					t.Errorf("fd = %d", fd)
+				}
+			}},
+		{"MemImportFromShareableHandle", func() api.Result {
+			return f.MemImportFromShareableHandle(&vmm, 17, api.MemHandleTypePosixFileDescriptor)
+		},
+			"cuMemImportFromShareableHandle", []uint64{ptr(&vmm), 17, 1}, nil},
+		{"MemAddressReserve", func() api.Result { return f.MemAddressReserve(&dptr, bigLen, 1<<21, dpB, 3) },
+			"cuMemAddressReserve", []uint64{ptr(&dptr), bigLen, 1 << 21, uint64(dpB), 3}, nil},
+		{"MemAddressFree", func() api.Result { return f.MemAddressFree(dpA, bigLen+8) }, "cuMemAddressFree", []uint64{uint64(dpA), bigLen + 8}, nil},
+		{"MemMap", func() api.Result { return f.MemMap(dpB, bigLen+9, 1<<33, 0xfedc_ba98_7654_3210, 7) },
+			"cuMemMap", []uint64{uint64(dpB), bigLen + 9, 1 << 33, 0xfedc_ba98_7654_3210, 7}, nil},
+		{"MemUnmap", func() api.Result { return f.MemUnmap(dpA, bigLen+10) }, "cuMemUnmap", []uint64{uint64(dpA), bigLen + 10}, nil},
+		{"MemSetAccess", func() api.Result { return f.MemSetAccess(dpA, bigLen+11, &access[0], 2) },
+			"cuMemSetAccess", []uint64{uint64(dpA), bigLen + 11, ptr(&access[0]), 2, 1, word(-2), 3}, nil},
+		{"MemGetAccess", func() api.Result { return f.MemGetAccess(&u64b, &loc, dpB) }, "cuMemGetAccess", []uint64{ptr(&u64b), ptr(&loc), uint64(dpB)},
+			func(t *testing.T) {
+				if u64b != 3 {
+					t.Errorf("flags = %d", u64b)
+				}
+			}},
 	}
 
 	covered := map[string]bool{}
@@ -597,4 +648,31 @@ func BenchmarkCallOverhead(b *testing.B) {
 			a.IpcOpenMemHandle(dptr, h, 1)
 		}
 	})
+}
+
+// TestLoadWithoutVMM: a driver without the VMM calls (older than CUDA 10.2)
+// still loads, and those methods say CUDA_ERROR_NOT_SUPPORTED without a call.
+func TestLoadWithoutVMM(t *testing.T) {
+	f := loadFake(t, "cuMemCreate", "cuMemExportToShareableHandle", "cuMemImportFromShareableHandle")
+	for _, m := range []string{"MemCreate", "MemExportToShareableHandle", "MemImportFromShareableHandle"} {
+		if got := symbolOf(f.Driver, m); got != "" {
+			t.Errorf("%s bound to %q in a library without it", m, got)
+		}
+	}
+	f.Init(7)
+	var h api.MemHandle
+	prop := api.MemAllocationProp{}
+	var fd int32
+	for name, r := range map[string]api.Result{
+		"MemCreate":                    f.MemCreate(&h, 2<<20, &prop, 0),
+		"MemExportToShareableHandle":   f.MemExportToShareableHandle(unsafe.Pointer(&fd), 1, api.MemHandleTypePosixFileDescriptor, 0),
+		"MemImportFromShareableHandle": f.MemImportFromShareableHandle(&h, 3, api.MemHandleTypePosixFileDescriptor),
+	} {
+		if r != api.ErrorNotSupported {
+			t.Errorf("%s = %s, want CUDA_ERROR_NOT_SUPPORTED", name, r.Name())
+		}
+	}
+	if c := f.lastCall(); c.Name != "cuInit" {
+		t.Fatalf("absent symbols still made a call: last call %s", c.Name)
+	}
 }

@@ -86,7 +86,7 @@ func (d *Driver) destroyContext(c *ctxState, exiting bool) {
 		return
 	}
 	regOK := d.reg.lock() == nil
-	l := newLiveness(d.self)
+	l := d.live()
 	for o := range c.objs {
 		if o.imported {
 			d.dropImport(o, regOK)

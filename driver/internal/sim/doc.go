@@ -35,7 +35,8 @@
 //     by every process and changed only under an exclusive flock on it. A
 //     slot holds the allocation's global buffer id (never reused in the
 //     directory), a random nonce, the owner (pid, Driver instance, process
-//     start time from /proc/<pid>/stat), the host-global device, the size,
+//     start time from /proc/<pid>/stat, PID namespace inode), the
+//     host-global device, the size,
 //     a state (live, or orphaned: owner gone but still mapped elsewhere) and
 //     a table of up to 32 mapper processes with their mapping counts. Device
 //     memory in use is the sum over slots, so it is never out of step with
@@ -46,6 +47,10 @@
 //     operations on these mappings.
 //   - violations.jsonl: the violation log, one JSON line per O_APPEND write,
 //     so lines from concurrent processes never interleave.
+//   - proc-<ns>-<pid>-<start>: one presence file per process using the
+//     directory, on which the process holds a shared flock while it uses
+//     the directory. A process in another PID namespace is alive while its
+//     file is locked: its pid means nothing in this one's /proc.
 //
 // A process that is gone (its pid has no /proc entry, is a zombie, or was
 // reused: the start time differs) counts as having unmapped everything, as
@@ -55,10 +60,74 @@
 // in cuMemGetInfo. A process killed in the middle of a registry update can
 // leave that one slot inconsistent; the flock itself dies with it.
 //
+// # PID namespaces
+//
+// Processes in different PID namespaces (unshare --pid, containers) share a
+// machine when they share the state directory. Pids are recorded with their
+// namespace's inode, liveness across namespaces goes by presence files, and
+// legacy IPC handles follow the real driver (measured, GPU.md): they open
+// between a parent and a child namespace either way, and fail between
+// siblings with CUDA_ERROR_INVALID_CONTEXT. A process sees that a namespace
+// is below its own when the namespace's processes show in its /proc; that
+// one is above it, only from CUDASHARE_SIM_PIDNS, which every sim process
+// sets (appending its namespace) for the processes it starts. A process put
+// in a new namespace by a process that never used the sim therefore treats
+// handles from the namespaces above as a sibling's. VMM fds need none of
+// this: they import in any namespace.
+//
 // Why this design: an mmap'd table under flock needs no daemon and no
 // socket, survives any process being killed (the kernel drops its lock and
 // its mappings), and costs one flock and a few /proc reads per allocation,
 // free, open or close, which are not on the handoff path.
+//
+// # VMM allocations (cuMemCreate and friends)
+//
+// A VMM allocation is a memfd (memfd_create, named
+// "cudashare-sim-vmm-<global id>"), not a file in the state directory. Its
+// layout is the simulator's representation of device memory, stable for
+// other readers (a Python consumer maps it with mmap):
+//
+//	offset 0, one 4096-byte header page, little-endian:
+//	[0:8]   "CSIMVMM1"
+//	[8:12]  version (1)
+//	[12:16] host-global device of the memory
+//	[16:24] size in bytes of the memory (a multiple of 2 MiB)
+//	[24:32] global buffer id (never reused in the state directory)
+//	[32:36] registry slot charged with the memory
+//	[36:40] requested handle types (CUmemAllocationHandleType bits)
+//	[40:56] creator: pid, Driver instance, process start time
+//	[56:64] checksum: FNV-1a of the machine's secret and bytes [0:56]
+//	offset 4096: the memory itself, size bytes
+//
+// A consumer that is not the sim maps [4096, 4096+size) of the fd
+// MAP_SHARED and sees the same bytes as every other mapping. Export dups
+// the memfd (cuMemExportToShareableHandle gives a new close-on-exec fd);
+// import needs nothing but the fd, so an fd passed with SCM_RIGHTS imports
+// in any process and any PID namespace; cuMemMap mmaps the memory. The
+// kernel's reference counting on the memfd gives the real semantics:
+// physical memory lives while any handle, fd or mapping of it exists,
+// whoever created it and whether or not that process still runs. A bad
+// checksum (an fd of another state directory, or not a VMM allocation at
+// all) fails the import with CUDA_ERROR_INVALID_VALUE.
+//
+// Device memory accounting: cuMemCreate charges a registry slot, owned by
+// the creating process, which holds it while it has a handle or a mapping
+// of the allocation; every other process that imports the fd is a mapper of
+// that slot while it has a handle or mapping. So cuMemGetInfo counts the
+// memory while any live process holds a handle or mapping, and stops when
+// the last such process lets go or dies (swept like the other slots). Not
+// counted: memory that lives only as an fd in flight (exported, sent, not
+// yet imported) after every holder has gone; an import then still works but
+// charges nothing. A process importing when the slot's mapper table is full
+// (32 processes) is not counted either.
+//
+// Address reservations (cuMemAddressReserve) come from their own 1 TiB
+// region of the simulated address space, above the device regions, at
+// 2 MiB granularity. A mapping has no access until cuMemSetAccess names the
+// device of the thread's current context (read and read-write are not told
+// apart). Mappings belong to the process, not to a context: destroying a
+// context leaves them; process exit (Deinit) unmaps and releases
+// everything.
 //
 // # Addresses
 //
@@ -95,8 +164,15 @@
 //     "close-unopened".
 //   - Copies and sets on a range that is not wholly inside one live
 //     allocation or mapping: CUDA_ERROR_INVALID_VALUE; if the address was
-//     freed or closed here, violation "access-after-free" or
-//     "access-after-close".
+//     freed, closed or unmapped here, violation "access-after-free",
+//     "access-after-close" or "access-after-unmap".
+//   - Copies and sets on a VMM mapping that cuMemSetAccess has not opened to
+//     the current context's device: CUDA_ERROR_INVALID_VALUE, violation
+//     "access-denied" (a kernel would fault on the real device).
+//   - cuMemRelease of a released handle: CUDA_ERROR_INVALID_VALUE,
+//     violation "double-release"; cuMemMap of one, "map-released";
+//     cuMemExportToShareableHandle of one, "use-after-release" (all
+//     undefined on the real driver).
 //
 // # Where the codes come from
 //

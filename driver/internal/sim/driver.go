@@ -67,6 +67,7 @@ type Driver struct {
 	lastEvent   uint64
 	imports     map[importKey]*memObj
 	binds       map[bindKey]*binding
+	vmm         vmmState
 
 	violMu  sync.Mutex
 	violErr error // first failure to record a violation
@@ -122,8 +123,13 @@ func NewWithConfig(cfg Config) (*Driver, error) {
 	if err != nil {
 		return nil, err
 	}
+	pidNS() // learn the PID namespaces, and pass them on to children
+	if err := holdPresence(dir, self); err != nil {
+		return nil, err
+	}
 	reg, err := openRegistry(dir, m.hash)
 	if err != nil {
+		dropPresence(dir)
 		return nil, err
 	}
 	d := &Driver{
@@ -181,7 +187,7 @@ func ResetState(dir string) error {
 	var errs []error
 	for _, e := range ents {
 		n := e.Name()
-		if n == registryFile || n == violationsFile || strings.HasPrefix(n, bufferPrefix) {
+		if n == registryFile || n == violationsFile || strings.HasPrefix(n, bufferPrefix) || strings.HasPrefix(n, presencePrefix) || strings.HasPrefix(n, "."+presencePrefix) {
 			if err := os.Remove(filepath.Join(dir, n)); err != nil && !errors.Is(err, os.ErrNotExist) {
 				errs = append(errs, err)
 			}
@@ -211,7 +217,9 @@ func (d *Driver) Deinit() {
 	for c := range d.contexts {
 		d.destroyContext(c, true)
 	}
+	d.vmmTeardown()
 	d.reg.close()
+	dropPresence(d.dir)
 }
 
 // ready is the init check every call but cuDriverGetVersion starts with.
@@ -409,6 +417,8 @@ func (d *Driver) DeviceGetAttribute(value *int32, attrib int32, dev api.Device) 
 	case api.AttrUnifiedAddressing, api.AttrVirtualMemoryManagementSupported,
 		api.AttrHandleTypePosixFileDescriptorSupported, api.AttrIpcEventSupported:
 		*value = 1
+	case api.AttrHandleTypeFabricSupported:
+		*value = 0
 	case api.AttrComputeCapabilityMajor:
 		*value = dv.ccMajor
 	case api.AttrComputeCapabilityMinor:

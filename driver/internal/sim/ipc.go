@@ -17,14 +17,15 @@ import (
 //	[16:24] global buffer id       (memory) or event serial (event)
 //	[24:32] allocation nonce       (memory)
 //	[32:48] exporter: pid, instance, process start time
-//	[48:56] size in bytes          (memory; informative)
+//	[48:52] exporter's PID namespace (inode; 0 if unknown)
+//	[52:56] zero
 //	[56:64] checksum: FNV-1a of the machine's secret and bytes [0:56]
 //
 // The checksum makes a garbage handle, or one minted for another state
 // directory, fail as CUDA_ERROR_INVALID_VALUE rather than name a slot.
 const (
 	ipcMagic      = "CSIM"
-	ipcVersion    = 1
+	ipcVersion    = 2
 	ipcKindMem    = 'M'
 	ipcKindEvent  = 'E'
 	ipcSumOffset  = 56
@@ -40,7 +41,7 @@ type ipcFields struct {
 	id     uint64
 	nonce  uint64
 	origin procID
-	size   uint64
+	ns     uint32 // the exporter's PID namespace
 }
 
 func (d *Driver) ipcSum(b *[api.IpcHandleSize]byte) uint64 {
@@ -66,7 +67,7 @@ func (d *Driver) encodeIPC(f ipcFields) [api.IpcHandleSize]byte {
 	le.PutUint32(b[32:], uint32(f.origin.pid))
 	le.PutUint32(b[36:], f.origin.inst)
 	le.PutUint64(b[40:], f.origin.start)
-	le.PutUint64(b[48:], f.size)
+	le.PutUint32(b[48:], f.ns)
 	le.PutUint64(b[ipcSumOffset:], d.ipcSum(&b))
 	return b
 }
@@ -79,7 +80,7 @@ func (d *Driver) decodeIPC(b [api.IpcHandleSize]byte, kind byte) (ipcFields, boo
 	return ipcFields{
 		kind: kind, slot: le.Uint32(b[8:]), dev: le.Uint32(b[12:]), id: le.Uint64(b[16:]), nonce: le.Uint64(b[24:]),
 		origin: procID{pid: int32(le.Uint32(b[32:])), inst: le.Uint32(b[36:]), start: le.Uint64(b[40:])},
-		size:   le.Uint64(b[48:]),
+		ns:     le.Uint32(b[48:]),
 	}, true
 }
 
@@ -142,12 +143,13 @@ func (d *Driver) IpcGetMemHandle(handle *api.IpcMemHandle, dptr api.DevicePtr) a
 		return r
 	}
 	o := d.space.find(uint64(dptr))
-	if o == nil || o.imported {
+	if o == nil || o.imported || o.vmm != nil {
+		// A VMM mapping has no legacy IPC handle (unverified code).
 		return api.ErrorInvalidValue
 	}
 	handle.Reserved = d.encodeIPC(ipcFields{
 		kind: ipcKindMem, slot: uint32(o.slot), dev: uint32(o.hdev), id: o.gid, nonce: o.nonce,
-		origin: d.self, size: o.size,
+		origin: d.self, ns: selfNS(),
 	})
 	return api.Success
 }
@@ -187,7 +189,7 @@ func (d *Driver) IpcOpenMemHandle(dptr *api.DevicePtr, handle api.IpcMemHandle, 
 		return api.ErrorUnknown
 	}
 	defer d.reg.unlock()
-	l := newLiveness(d.self)
+	l := d.live()
 	i := int(f.slot)
 	d.reg.sweepSlot(i, l)
 	s := d.reg.slot(i)
@@ -199,12 +201,18 @@ func (d *Driver) IpcOpenMemHandle(dptr *api.DevicePtr, handle api.IpcMemHandle, 
 		// must not outlive its exporter). The exporter lives but freed the
 		// allocation, or destroyed its context: CUDA_ERROR_INVALID_VALUE
 		// (measured).
-		if !l.alive(f.origin) {
+		if !l.aliveIn(f.origin, f.ns) {
 			return api.ErrorInvalidHandle
 		}
 		return api.ErrorInvalidValue
 	}
 	if s.owner == d.self {
+		return api.ErrorInvalidContext
+	}
+	if !nsRelated(s.ownerNS) {
+		// Exporter and importer in sibling PID namespaces (two containers):
+		// CUDA_ERROR_INVALID_CONTEXT (measured on two H200s, GPU.md).
+		// Parent and child namespaces, either way, open.
 		return api.ErrorInvalidContext
 	}
 	hdev := int(s.dev)

@@ -35,6 +35,7 @@ type memObj struct {
 	imported   bool
 	refs       int     // IPC opens not yet closed
 	bind       bindKey // imports only
+	vmm        *vmmMap // cuMemMap mappings only; ctx is nil for them
 }
 
 // tombstone remembers a range that was freed or closed, to name the
@@ -186,6 +187,11 @@ func (d *Driver) resolve(p api.DevicePtr, n uint64, call string) ([]byte, api.Re
 	if n > o.size-off {
 		return nil, api.ErrorInvalidValue
 	}
+	if o.vmm != nil && !d.vmmAccessible(o) {
+		d.violate(kindAccessDenied, fmt.Sprintf("%s at %#x: mapping [%#x, %#x) of global %d has no access for this context's device (cuMemSetAccess)",
+			call, uint64(p), o.base, o.base+o.size, o.gid))
+		return nil, api.ErrorInvalidValue
+	}
 	return o.data[off : off+n], api.Success
 }
 
@@ -220,7 +226,7 @@ func (d *Driver) MemAlloc(dptr *api.DevicePtr, bytesize uint64) api.Result {
 		return api.ErrorUnknown
 	}
 	defer d.reg.unlock()
-	i, ok := d.reg.alloc(uint32(c.hdev), bytesize, span, total, newLiveness(d.self))
+	i, ok := d.reg.alloc(uint32(c.hdev), bytesize, span, total, d.live())
 	if !ok {
 		return api.ErrorOutOfMemory
 	}
@@ -251,7 +257,7 @@ func (d *Driver) MemFree(dptr api.DevicePtr) api.Result {
 	}
 	defer d.mu.Unlock()
 	o := d.space.find(uint64(dptr))
-	if o == nil || o.base != uint64(dptr) || o.imported {
+	if o == nil || o.base != uint64(dptr) || o.imported || o.vmm != nil {
 		return api.ErrorInvalidValue
 	}
 	if d.reg.lock() != nil {
@@ -259,7 +265,7 @@ func (d *Driver) MemFree(dptr api.DevicePtr) api.Result {
 	}
 	defer d.reg.unlock()
 	if d.slotIsOurs(o) {
-		if live := d.reg.liveMappers(o.slot, newLiveness(d.self)); len(live) > 0 {
+		if live := d.reg.liveMappers(o.slot, d.live()); len(live) > 0 {
 			d.violate(kindFreeWhileMapped, fmt.Sprintf("cuMemFree(%#x): buffer %d (global %d, %d bytes) is mapped by %s",
 				o.base, o.bufID, o.gid, o.size, pids(live)))
 			return api.ErrorIllegalState
@@ -285,7 +291,7 @@ func (d *Driver) MemGetInfo(free, total *uint64) api.Result {
 		return api.ErrorUnknown
 	}
 	defer d.reg.unlock()
-	d.reg.sweep(newLiveness(d.self))
+	d.reg.sweep(d.live())
 	t := d.m.devices[c.hdev].totalMem
 	if total != nil {
 		*total = t
@@ -345,6 +351,23 @@ func (d *Driver) PointerGetAttribute(data unsafe.Pointer, attrib int32, ptr api.
 	o := d.space.find(uint64(ptr))
 	if o == nil {
 		return api.ErrorInvalidValue
+	}
+	if o.vmm != nil {
+		// A VMM mapping belongs to no context (unverified: what the real
+		// driver reports for these).
+		switch attrib {
+		case api.PointerAttrContext:
+			*(*api.Context)(data) = 0
+			return api.Success
+		case api.PointerAttrDeviceOrdinal:
+			*(*int32)(data) = -1
+			for i, h := range d.visible {
+				if h == o.hdev {
+					*(*int32)(data) = int32(i)
+				}
+			}
+			return api.Success
+		}
 	}
 	switch attrib {
 	case api.PointerAttrContext:

@@ -71,6 +71,7 @@ func procStart(pid int32) (uint64, bool) {
 // registry operation.
 type liveness struct {
 	self  procID
+	dir   string // the state directory, for presence files; "" skips them
 	cache map[int32]procState
 }
 
@@ -81,6 +82,13 @@ type procState struct {
 
 func newLiveness(self procID) *liveness {
 	return &liveness{self: self, cache: make(map[int32]procState)}
+}
+
+// live is a liveness for one registry operation of d.
+func (d *Driver) live() *liveness {
+	l := newLiveness(d.self)
+	l.dir = d.dir
+	return l
 }
 
 func (l *liveness) alive(p procID) bool {

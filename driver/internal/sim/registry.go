@@ -66,15 +66,17 @@ type regSlot struct {
 	id    uint64 // global buffer id, never reused in a state directory
 	nonce uint64 // random; an IPC handle must carry it
 	owner procID
-	_     uint64
-	maps  [regMappers]regMapper
+	// ownerNS is the inode of the owner's PID namespace (0: not recorded).
+	ownerNS uint32
+	_       uint32
+	maps    [regMappers]regMapper
 }
 
 // regMapper is one process that holds IPC mappings of a slot.
 type regMapper struct {
 	proc  procID
 	count uint32 // mappings (one per importing context)
-	_     uint32
+	ns    uint32 // inode of the mapper's PID namespace (0: not recorded)
 }
 
 // The layout is shared between processes; pin it.
@@ -225,11 +227,11 @@ func (r *registry) sweepSlot(i int, l *liveness) {
 		return
 	}
 	for j := range s.maps {
-		if m := &s.maps[j]; m.count != 0 && !l.alive(m.proc) {
+		if m := &s.maps[j]; m.count != 0 && !l.aliveIn(m.proc, m.ns) {
 			*m = regMapper{}
 		}
 	}
-	if s.state == slotLive && !l.alive(s.owner) {
+	if s.state == slotLive && !l.aliveIn(s.owner, s.ownerNS) {
 		s.state = slotOrphan
 	}
 	r.releaseIfUnmapped(i)
@@ -269,7 +271,7 @@ func (r *registry) alloc(dev uint32, size, span, total uint64, l *liveness) (int
 		return -1, false
 	}
 	s := r.slot(i)
-	*s = regSlot{dev: dev, size: size, span: span, id: r.hdr.nextID, nonce: mrand.Uint64() | 1, owner: l.self}
+	*s = regSlot{dev: dev, size: size, span: span, id: r.hdr.nextID, nonce: mrand.Uint64() | 1, owner: l.self, ownerNS: selfNS()}
 	r.hdr.nextID++
 	s.state = slotLive
 	return i, true
@@ -315,7 +317,7 @@ func (r *registry) addMapper(i int, l *liveness) bool {
 	if free < 0 {
 		return false
 	}
-	s.maps[free] = regMapper{proc: l.self, count: 1}
+	s.maps[free] = regMapper{proc: l.self, count: 1, ns: selfNS()}
 	return true
 }
 

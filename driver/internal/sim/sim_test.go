@@ -69,7 +69,7 @@ func simMappings() []string {
 	b, _ := os.ReadFile("/proc/self/maps")
 	var out []string
 	for _, l := range strings.Split(string(b), "\n") {
-		if strings.Contains(l, "/"+bufferPrefix) || strings.HasSuffix(l, "/"+registryFile) {
+		if strings.Contains(l, "/"+bufferPrefix) || strings.HasSuffix(l, "/"+registryFile) || strings.Contains(l, "memfd:"+vmmMemfdName) {
 			out = append(out, l)
 		}
 	}

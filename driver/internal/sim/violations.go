@@ -18,6 +18,11 @@ const (
 	kindCloseUnopened    = "close-unopened"
 	kindAccessAfterClose = "access-after-close"
 	kindAccessAfterFree  = "access-after-free"
+	kindAccessAfterUnmap = "access-after-unmap" // a cuMemMap range used after cuMemUnmap
+	kindAccessDenied     = "access-denied"      // a mapping used from a device cuMemSetAccess did not name
+	kindDoubleRelease    = "double-release"     // cuMemRelease of a released handle
+	kindUseAfterRelease  = "use-after-release"  // a released handle exported
+	kindMapReleased      = "map-released"       // cuMemMap of a released handle
 )
 
 // violate appends a violation to the log in the state directory: one

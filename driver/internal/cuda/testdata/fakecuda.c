@@ -27,6 +27,24 @@ typedef struct CUctxCreateParams_st {
 	void *cigParams;
 } CUctxCreateParams;
 
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct CUmemLocation_st { int type; int id; } CUmemLocation;
+typedef struct CUmemAllocationProp_st {
+	int type;
+	int requestedHandleTypes;
+	CUmemLocation location;
+	void *win32HandleMetaData;
+	struct {
+		unsigned char compressionType;
+		unsigned char gpuDirectRDMACapable;
+		unsigned short usage;
+		unsigned char reserved[4];
+	} allocFlags;
+} CUmemAllocationProp;
+typedef struct CUmemAccessDesc_st { CUmemLocation location; int flags; } CUmemAccessDesc;
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp is 32 bytes");
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc is 12 bytes");
+
 #define MAXARGS 8
 
 static char last_name[64];
@@ -135,6 +153,41 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, CUipcMemHandle h, unsigned int fl
 	REC(P(p), U(flags));
 }
 CUresult cuIpcCloseMemHandle(CUdeviceptr p) { REC(U(p)); }
+/* VMM. Each records its arguments; the ones with out-parameters write a
+ * value the test can recognise, and cuMemCreate/cuMemSetAccess record the
+ * struct fields they read, to check the Go layout against gcc's. */
+CUresult cuMemGetAllocationGranularity(size_t *g, const CUmemAllocationProp *p, int option) {
+	if (g) *g = 2u << 20;
+	REC(P(g), P(p), I(option), p ? I(p->type) : 0, p ? I(p->requestedHandleTypes) : 0, p ? I(p->location.type) : 0, p ? I(p->location.id) : 0);
+}
+CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *p, unsigned long long flags) {
+	if (h) *h = 0xabcdef0123ull;
+	REC(P(h), U(size), P(p), U(flags), p ? I(p->requestedHandleTypes) : 0, p ? I(p->location.id) : 0, p ? U(p->allocFlags.gpuDirectRDMACapable) : 0);
+}
+CUresult cuMemRelease(CUmemGenericAllocationHandle h) { REC(U(h)); }
+CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type, unsigned long long flags) {
+	if (out) *(int *)out = 42;
+	REC(P(out), U(h), I(type), U(flags));
+}
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *os, int type) {
+	if (h) *h = 0x1234ull;
+	REC(P(h), P(os), I(type));
+}
+CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags) {
+	REC(P(p), U(size), U(align), U(addr), U(flags));
+}
+CUresult cuMemAddressFree(CUdeviceptr p, size_t size) { REC(U(p), U(size)); }
+CUresult cuMemMap(CUdeviceptr p, size_t size, size_t off, CUmemGenericAllocationHandle h, unsigned long long flags) {
+	REC(U(p), U(size), U(off), U(h), U(flags));
+}
+CUresult cuMemUnmap(CUdeviceptr p, size_t size) { REC(U(p), U(size)); }
+CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const CUmemAccessDesc *d, size_t count) {
+	REC(U(p), U(size), P(d), U(count), d ? I(d[count - 1].location.type) : 0, d ? I(d[count - 1].location.id) : 0, d ? I(d[count - 1].flags) : 0);
+}
+CUresult cuMemGetAccess(unsigned long long *flags, const CUmemLocation *loc, CUdeviceptr p) {
+	if (flags) *flags = 3;
+	REC(P(flags), P(loc), U(p));
+}
 CUresult cuGetErrorName(CUresult r, const char **s) {
 	static char buf[64];
 	snprintf(buf, sizeof buf, "FAKE_ERROR_%d", r);
