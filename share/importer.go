@@ -83,19 +83,23 @@ type Importer struct {
 	recvDone chan struct{}
 	leaked   atomic.Uint64
 
-	mu       sync.Mutex
-	state    int
-	ended    error // why no more leases come; set with stop closed
-	gone     bool  // the producer is gone: nothing more is sent to it
-	allocs   map[uint64]*impAlloc
-	block    weak.Pointer[leaseBlock] // where new leases come from
-	events   map[transport.IPCHandle]*driver.Event
-	relEvs   map[*driver.Stream]*relEvent // stream-ordered releases: one event per stream
-	relEvOK  bool                         // the producer honours release events
-	held     int                          // leases handed out and not released
-	heldZero chan struct{}                // closed when held reaches 0; made by Shutdown
-	stats    ImporterStats
-	byeWhy   string
+	mu        sync.Mutex
+	state     int
+	ended     error // why no more leases come; set with stop closed
+	gone      bool  // the producer is gone: nothing more is sent to it
+	allocs    map[uint64]*impAlloc
+	block     weak.Pointer[leaseBlock] // where new leases come from
+	events    map[transport.IPCHandle]*driver.Event
+	relEvs    map[*driver.Stream]*relEvent // stream-ordered releases: one event per stream
+	relEvOK   bool                         // the producer honours release events
+	pending   int                          // releases queued and not yet pushed
+	pushAt    int                          // pending releases that are pushed at once
+	pushTimer *time.Timer                  // pushes after releaseDelay
+	waiters   atomic.Int32                 // goroutines waiting in Next
+	held      int                          // leases handed out and not released
+	heldZero  chan struct{}                // closed when held reaches 0; made by Shutdown
+	stats     ImporterStats
+	byeWhy    string
 }
 
 // impAlloc is an allocation this importer holds open in the registry.
@@ -152,7 +156,10 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 		events:   make(map[transport.IPCHandle]*driver.Event),
 		relEvs:   make(map[*driver.Stream]*relEvent),
 		relEvOK:  conn.Peer().Caps&transport.CapReleaseEvents != 0,
+		pushAt:   max(1, int(cfg.Credits)/4),
 	}
+	im.pushTimer = time.AfterFunc(time.Hour, im.push)
+	im.pushTimer.Stop()
 	go im.recvLoop()
 	return im, nil
 }
@@ -197,8 +204,31 @@ func (im *Importer) Next(ctx context.Context) (*Lease, error) {
 // A pool gives each worker a stream of its own this way, so that their
 // GPU work overlaps. Lease.Stream returns s.
 func (im *Importer) NextOn(ctx context.Context, s *driver.Stream) (*Lease, error) {
+	var l *Lease
 	select {
-	case l := <-im.ready:
+	case l = <-im.ready:
+	default:
+		// About to wait for the producer: what was released must reach
+		// it first, or it may have no credit to offer with.
+		im.push()
+		im.waiters.Add(1)
+		select {
+		case l = <-im.ready:
+			im.waiters.Add(-1)
+		case <-im.stop:
+			im.waiters.Add(-1)
+			if err := ctx.Err(); err != nil {
+				return nil, err
+			}
+			im.mu.Lock()
+			defer im.mu.Unlock()
+			return nil, im.ended
+		case <-ctx.Done():
+			im.waiters.Add(-1)
+			return nil, ctx.Err()
+		}
+	}
+	{
 		if l.err != nil {
 			return nil, l.err
 		}
@@ -219,15 +249,6 @@ func (im *Importer) NextOn(ctx context.Context, s *driver.Stream) (*Lease, error
 			}
 		}
 		return l, nil
-	case <-im.stop:
-		if err := ctx.Err(); err != nil {
-			return nil, err
-		}
-		im.mu.Lock()
-		defer im.mu.Unlock()
-		return nil, im.ended
-	case <-ctx.Done():
-		return nil, ctx.Err()
 	}
 }
 
@@ -389,13 +410,44 @@ func (im *Importer) closeAllocLocked(a *impAlloc) {
 // mu keeps releases and closes in order with the state they report. A
 // failure means the connection failed; the receive loop sees it and ends
 // the importer.
+//
+// Releases are queued, not written one by one: they leave together when a
+// goroutine is about to wait in Next (or is waiting there), when a quarter
+// of the credits are pending, or after releaseDelay at most, whichever
+// comes first; a release must reach the producer soon, since its lease
+// deadline runs until then.
 func (im *Importer) sendReleaseLocked(seq uint64, after *relEvent) {
+	if im.gone {
+		return
+	}
+	var ev *transport.IPCHandle
+	if after != nil {
+		ev = &after.h
+	}
+	im.sendFailed(im.conn.QueueRelease(context.Background(), ev, seq))
+	im.pending++
 	switch {
-	case im.gone:
-	case after != nil:
-		im.sendFailed(im.conn.SendReleaseAfter(context.Background(), after.h, seq))
-	default:
-		im.sendFailed(im.conn.SendRelease(context.Background(), seq))
+	case im.waiters.Load() > 0 || im.pending >= im.pushAt:
+		im.pushLocked()
+	case im.pending == 1:
+		im.pushTimer.Reset(releaseDelay)
+	}
+}
+
+// releaseDelay bounds how long a release waits to leave with others.
+const releaseDelay = 100 * time.Microsecond
+
+// push writes the queued releases.
+func (im *Importer) push() {
+	im.mu.Lock()
+	im.pushLocked()
+	im.mu.Unlock()
+}
+
+func (im *Importer) pushLocked() {
+	if im.pending > 0 {
+		im.pending = 0
+		im.conn.Push()
 	}
 }
 
@@ -567,6 +619,7 @@ func (im *Importer) close(ctx context.Context, reason string) error {
 		}
 	}
 	im.conn.Close()
+	im.pushTimer.Stop()
 	<-im.recvDone
 	im.mu.Lock()
 	for h, ev := range im.events {

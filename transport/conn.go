@@ -615,7 +615,34 @@ func (c *Conn) SendReleaseAfter(ctx context.Context, ev IPCHandle, seqs ...uint6
 	return c.sendRelease(ctx, &ev, seqs)
 }
 
+// QueueRelease queues the release of seqs, after the event ev if not nil
+// (as SendReleaseAfter), without writing it: it leaves with the next
+// message sent, or at Push. A consumer that releases leases one by one
+// while more offers are arriving sends many in one write this way; it must
+// Push before it waits for anything from the producer, and soon in any
+// case (the producer's lease deadline counts until the release arrives).
+func (c *Conn) QueueRelease(ctx context.Context, ev *IPCHandle, seqs ...uint64) error {
+	if ev != nil && c.peer.Caps&CapReleaseEvents == 0 {
+		return fmt.Errorf("%w: %s does not take release events", ErrNotSupported, c.desc)
+	}
+	return c.queueRelease(ctx, ev, seqs, true)
+}
+
+// Push writes what QueueRelease left queued, as a send would.
+func (c *Conn) Push() {
+	c.mu.Lock()
+	if len(c.out) == 0 || c.err != nil {
+		c.mu.Unlock()
+		return
+	}
+	c.unlockAndKick(len(c.out))
+}
+
 func (c *Conn) sendRelease(ctx context.Context, ev *IPCHandle, seqs []uint64) error {
+	return c.queueRelease(ctx, ev, seqs, false)
+}
+
+func (c *Conn) queueRelease(ctx context.Context, ev *IPCHandle, seqs []uint64, lazy bool) error {
 	if err := c.may(KindRelease); err != nil {
 		return err
 	}
@@ -631,7 +658,12 @@ func (c *Conn) sendRelease(ctx context.Context, ev *IPCHandle, seqs []uint64) er
 		c.outstanding -= uint64(n)
 		off := len(c.out)
 		c.out = appendRelease(c.out, seqs[:n], ev)
-		c.unlockAndKick(off)
+		if lazy && len(c.out) < c.cfg.MaxQueued/2 {
+			c.queued += uint64(len(c.out) - off)
+			c.mu.Unlock()
+		} else {
+			c.unlockAndKick(off)
+		}
 		seqs = seqs[n:]
 	}
 	return nil
@@ -691,6 +723,7 @@ func (c *Conn) may(k Kind) error {
 // Flush waits, within ctx, until every message queued before the call has
 // been written to the socket.
 func (c *Conn) Flush(ctx context.Context) error {
+	c.Push()
 	c.mu.Lock()
 	target := c.queued
 	for {
