@@ -235,8 +235,9 @@ func (c *consumer) run(ctx context.Context, stdout io.Writer, showProgress bool)
 
 // dial connects to the producer, waiting up to -wait for it to appear.
 func (c *consumer) dial(ctx context.Context, dctx *driver.Context, stream *driver.Stream) (*share.Importer, error) {
-	deadline := time.Now().Add(c.cfg.wait)
-	for {
+	start := time.Now()
+	deadline := start.Add(c.cfg.wait)
+	for tries := 1; ; tries++ {
 		imp, err := share.Dial(ctx, c.cfg.socket, dctx, share.ImporterConfig{
 			Credits: uint32(c.cfg.credits), Stream: stream, Logger: c.log, WriteTimeout: c.cfg.writeTimeout,
 		})
@@ -247,6 +248,9 @@ func (c *consumer) dial(ctx context.Context, dctx *driver.Context, stream *drive
 			return nil, fail(ExitFailure, ctx.Err(), "interrupted while connecting to %s", c.cfg.socket)
 		}
 		if !dialRetryable(err) || !time.Now().Before(deadline) {
+			if tries > 1 {
+				err = fmt.Errorf("%d tries over %.1fs: %w", tries, time.Since(start).Seconds(), err)
+			}
 			return nil, explainDial(c.cfg.socket, err)
 		}
 		select {
