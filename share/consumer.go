@@ -38,6 +38,7 @@ type consumer struct {
 	window, out uint64 // credits granted; offers not released
 	slots       []leaseSlot
 	freeSlots   []uint32
+	voided      []uint64                           // seqs of offers in flight that the drop voided
 	allocs      map[*allocRec]*mapping             // allocations it may map
 	events      map[transport.IPCHandle]*consEvent // its release events, opened once
 	active      bool                               // in the rotation
@@ -441,8 +442,10 @@ func (e *Exporter) dropLocked(c *consumer) {
 		if b := c.slots[i].b; b != nil {
 			c.slots[i].b = nil
 			if c.slots[i].sent {
-				// An offer still being sent is counted by finishLocked.
 				e.stats.Releases++
+			} else {
+				// Still being sent: finishLocked counts it.
+				c.voided = append(c.voided, uint64(c.slots[i].gen)<<32|uint64(i))
 			}
 			e.unleaseLocked(b)
 		}

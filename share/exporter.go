@@ -680,9 +680,14 @@ func (e *Exporter) finishLocked(c *consumer, b *Buffer, seq uint64, err error) {
 			b.offered = true
 		}
 		if c.dropped {
-			// The consumer was dropped while this offer was being sent:
-			// the drop voided the lease without counting it; it ended.
-			e.stats.Releases++
+			// The consumer was dropped while this offer was being sent. If
+			// the drop voided the lease, it did not count it: it ends
+			// here. (The consumer may have released it before its drop:
+			// then it was counted then.)
+			if i := slices.Index(c.voided, seq); i >= 0 {
+				c.voided = slices.Delete(c.voided, i, i+1)
+				e.stats.Releases++
+			}
 		} else if s := &c.slots[uint32(seq)]; s.b == b && s.gen == uint32(seq>>32) {
 			s.sent = true
 		}
