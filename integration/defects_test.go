@@ -338,8 +338,12 @@ func TestDefectIdleConnectionFlood(t *testing.T) {
 func TestDefectClosedWhileLeased(t *testing.T) {
 	e := newEnv(t, "")
 	prod := e.producer("-ring", "8", "-size", "64KiB", "-fill=false", "-consumers", "1", "-shutdown-timeout", "30s")
-	good := e.consumer("good", "-verify", "none", "-work", "1ms")
+	// The good consumer starts once the socket is there: twice in about
+	// fifteen full runs here, one started before it dialled ENOENT for its
+	// whole -wait (979 tries over 20 s) while the socket existed; not
+	// understood yet (see the closing note of issue 8).
 	e.waitSocket(prod)
+	good := e.consumer("good", "-verify", "none", "-work", "1ms")
 	h := e.hostile("closed-while-leased")
 	h.line("MAPPED", 20*time.Second)
 	reply := h.line("GOT", 20*time.Second)
@@ -371,8 +375,12 @@ func TestDefectClosedWhileLeased(t *testing.T) {
 func TestDefectConnectionHandedToChild(t *testing.T) {
 	e := newEnv(t, "")
 	prod := e.producer("-ring", "8", "-size", "64KiB", "-fill=false", "-consumers", "1", "-shutdown-timeout", "30s", "-v")
-	good := e.consumer("good", "-verify", "none", "-work", "1ms")
+	// The good consumer starts once the socket is there: twice in about
+	// fifteen full runs here, one started before it dialled ENOENT for its
+	// whole -wait (979 tries over 20 s) while the socket existed; not
+	// understood yet (see the closing note of issue 8).
 	e.waitSocket(prod)
+	good := e.consumer("good", "-verify", "none", "-work", "1ms")
 	parent := e.hostile("handoff-parent")
 	child, err := strconv.Atoi(strings.Fields(parent.line("CHILD", 20*time.Second))[1])
 	if err != nil {
