@@ -108,7 +108,8 @@
 // physical memory lives while any handle, fd or mapping of it exists,
 // whoever created it and whether or not that process still runs. A bad
 // checksum (an fd of another state directory, or not a VMM allocation at
-// all) fails the import with CUDA_ERROR_INVALID_VALUE.
+// all) fails the import with CUDA_ERROR_UNKNOWN, as driver 580 does for an
+// fd of /dev/null.
 //
 // Device memory accounting: cuMemCreate charges a registry slot, owned by
 // the creating process, which holds it while it has a handle or a mapping

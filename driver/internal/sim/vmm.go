@@ -238,15 +238,26 @@ func (d *Driver) checkProp(prop *api.MemAllocationProp) (int, api.Result) {
 // recommended alike, as an H200 reports (measured, GPU.md). No current
 // context is needed (unverified). A device out of range is
 // CUDA_ERROR_INVALID_DEVICE (unverified: the page lists only
-// CUDA_ERROR_INVALID_VALUE).
+// CUDA_ERROR_INVALID_VALUE). Allocation type 0 (INVALID) and location type
+// 0 (INVALID) are accepted: driver 580 on an H100 answers CUDA_SUCCESS for
+// each (measured; the page says CUDA_ERROR_INVALID_VALUE). The sim reads
+// them as a pinned allocation and a device location, the location's id
+// still checked (unverified).
 func (d *Driver) MemGetAllocationGranularity(granularity *uint64, prop *api.MemAllocationProp, option int32) api.Result {
 	if r := d.ready(); r != api.Success {
 		return r
 	}
-	if granularity == nil || (option != api.MemAllocGranularityMinimum && option != api.MemAllocGranularityRecommended) {
+	if granularity == nil || prop == nil || (option != api.MemAllocGranularityMinimum && option != api.MemAllocGranularityRecommended) {
 		return api.ErrorInvalidValue
 	}
-	if _, r := d.checkProp(prop); r != api.Success {
+	p := *prop
+	if p.Type == 0 { // CU_MEM_ALLOCATION_TYPE_INVALID
+		p.Type = api.MemAllocationTypePinned
+	}
+	if p.Location.Type == api.MemLocationTypeInvalid {
+		p.Location.Type = api.MemLocationTypeDevice
+	}
+	if _, r := d.checkProp(&p); r != api.Success {
 		return r
 	}
 	*granularity = allocGranularity
@@ -382,10 +393,11 @@ func (d *Driver) MemExportToShareableHandle(shareableHandle unsafe.Pointer, hand
 
 // MemImportFromShareableHandle implements api.API for
 // CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR: osHandle is the fd, which the
-// caller keeps (close it after the import). An fd that is not a VMM
-// allocation of this simulated machine is CUDA_ERROR_INVALID_VALUE
-// (unverified); a fabric handle CUDA_ERROR_NOT_SUPPORTED. Each import makes
-// a new handle, to be released on its own.
+// caller keeps (close it after the import). An open fd that is not a VMM
+// allocation of this simulated machine is CUDA_ERROR_UNKNOWN, as driver 580
+// on an H100 answers for an fd of /dev/null (measured; the page lists
+// CUDA_ERROR_INVALID_VALUE); a fabric handle CUDA_ERROR_NOT_SUPPORTED
+// (unverified). Each import makes a new handle, to be released on its own.
 func (d *Driver) MemImportFromShareableHandle(handle *api.MemHandle, osHandle uintptr, handleType int32) api.Result {
 	if r := d.ready(); r != api.Success {
 		return r
@@ -409,7 +421,10 @@ func (d *Driver) MemImportFromShareableHandle(handle *api.MemHandle, osHandle ui
 	}
 	defer d.mu.Unlock()
 	hdr, ok := d.readVMMHeader(fd)
-	if !ok || hdr.handleTypes&api.MemHandleTypePosixFileDescriptor == 0 {
+	if !ok {
+		return api.ErrorUnknown
+	}
+	if hdr.handleTypes&api.MemHandleTypePosixFileDescriptor == 0 {
 		return api.ErrorInvalidValue
 	}
 	own, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
@@ -535,16 +550,23 @@ func (d *Driver) MemAddressFree(ptr api.DevicePtr, size uint64) api.Result {
 
 // MemMap implements api.API: mmaps the allocation's memory at ptr, with no
 // access until cuMemSetAccess. [ptr, ptr+size) must lie in a reservation and
-// not overlap a mapping; ptr and size must be multiples of the granularity,
-// size at most the allocation's; offset and flags must be 0 (all
-// CUDA_ERROR_INVALID_VALUE). Strict: mapping a released handle is a
+// not overlap a mapping, ptr must be a multiple of the granularity, size
+// not 0 and flags 0 (CUDA_ERROR_INVALID_VALUE). A non-zero offset, a size
+// that is not a multiple of the granularity and a size past the
+// allocation's are CUDA_ERROR_NOT_SUPPORTED: driver 580 on an H100 answers
+// that for each (measured with offset 1, half a granule and one granule
+// past; the page says CUDA_ERROR_INVALID_VALUE, and that offset must be 0;
+// other offsets unverified). Strict: mapping a released handle is a
 // "map-released" violation.
 func (d *Driver) MemMap(ptr api.DevicePtr, size, offset uint64, handle api.MemHandle, flags uint64) api.Result {
 	if r := d.ready(); r != api.Success {
 		return r
 	}
-	if size == 0 || size%allocGranularity != 0 || uint64(ptr)%allocGranularity != 0 || offset != 0 || flags != 0 {
+	if size == 0 || uint64(ptr)%allocGranularity != 0 || flags != 0 {
 		return api.ErrorInvalidValue
+	}
+	if offset != 0 || size%allocGranularity != 0 {
+		return api.ErrorNotSupported
 	}
 	if r := d.lock(); r != api.Success {
 		return r
@@ -554,7 +576,10 @@ func (d *Driver) MemMap(ptr api.DevicePtr, size, offset uint64, handle api.MemHa
 	if r != api.Success {
 		return r
 	}
-	if size > v.hdr.size || d.resvOf(uint64(ptr), size) == nil || len(d.vmmMaps(uint64(ptr), size)) > 0 {
+	if size > v.hdr.size {
+		return api.ErrorNotSupported
+	}
+	if d.resvOf(uint64(ptr), size) == nil || len(d.vmmMaps(uint64(ptr), size)) > 0 {
 		return api.ErrorInvalidValue
 	}
 	data, err := unix.Mmap(v.fd, vmmHeaderSize, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
@@ -573,13 +598,19 @@ func (d *Driver) MemMap(ptr api.DevicePtr, size, offset uint64, handle api.MemHa
 }
 
 // MemUnmap implements api.API. [ptr, ptr+size) must be exactly covered by
-// mappings (CUDA_ERROR_INVALID_VALUE otherwise); the range stays reserved.
-// Strict: a later access to it is an "access-after-unmap" violation.
+// mappings (CUDA_ERROR_INVALID_VALUE otherwise, as for half of a mapping);
+// the range stays reserved. A reserved range with no mapping in it at all
+// is CUDA_SUCCESS, doing nothing: driver 580 on an H100 answers that
+// (measured; the page says CUDA_ERROR_INVALID_VALUE). Strict: a later
+// access to an unmapped range is an "access-after-unmap" violation.
 func (d *Driver) MemUnmap(ptr api.DevicePtr, size uint64) api.Result {
 	if r := d.lock(); r != api.Success {
 		return r
 	}
 	defer d.mu.Unlock()
+	if size != 0 && d.resvOf(uint64(ptr), size) != nil && len(d.vmmMaps(uint64(ptr), size)) == 0 {
+		return api.Success
+	}
 	ms := d.covering(uint64(ptr), size)
 	if ms == nil || size == 0 {
 		return api.ErrorInvalidValue
@@ -610,8 +641,11 @@ func (d *Driver) accessLocation(loc api.MemLocation) (int, api.Result) {
 
 // MemSetAccess implements api.API. [ptr, ptr+size) must be exactly covered
 // by mappings, desc and count non-zero, each location a device of this
-// process (CUDA_ERROR_INVALID_DEVICE otherwise) and each flag NONE, READ or
-// READWRITE. A device without peer access to the memory's device is
+// process and each flag NONE, READ or READWRITE (all
+// CUDA_ERROR_INVALID_VALUE). A location id past the last device is
+// CUDA_ERROR_INVALID_VALUE, as driver 580 on an H100 answers (measured; the
+// page lists CUDA_ERROR_INVALID_DEVICE, which cuMemGetAccess does return
+// for it). A device without peer access to the memory's device is
 // CUDA_ERROR_NOT_SUPPORTED (unverified). Every check passes before any
 // access changes.
 func (d *Driver) MemSetAccess(ptr api.DevicePtr, size uint64, desc *api.MemAccessDesc, count uint64) api.Result {
@@ -633,6 +667,9 @@ func (d *Driver) MemSetAccess(ptr api.DevicePtr, size uint64, desc *api.MemAcces
 	devs := make([]int, len(ds))
 	for i, a := range ds {
 		hdev, r := d.accessLocation(a.Location)
+		if r == api.ErrorInvalidDevice {
+			return api.ErrorInvalidValue
+		}
 		if r != api.Success {
 			return r
 		}
