@@ -82,13 +82,11 @@ func runChildMain(name string) int {
 
 // child is a running helper process.
 type child struct {
-	t      *testing.T
-	cmd    *exec.Cmd
-	stdin  io.WriteCloser
-	out    *bufio.Reader
-	timer  *time.Timer
-	result *api.Result
-	note   string
+	t     *testing.T
+	cmd   *exec.Cmd
+	stdin io.WriteCloser
+	out   *bufio.Reader
+	timer *time.Timer
 }
 
 // startChild runs routine name with params (as CONF_ variables) and extra

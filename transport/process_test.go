@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -97,6 +98,8 @@ func runHelper(mode, path string) error {
 			conns = append(conns, c)
 		}
 		fmt.Println("ready")
+		// Held open until the test kills this process.
+		defer runtime.KeepAlive(conns)
 		select {}
 	case "bare":
 		return bareEcho(path)

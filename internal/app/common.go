@@ -230,14 +230,6 @@ func (d *device) close() {
 	}
 }
 
-// backendNote says which driver runs, for reports.
-func (d *device) backendNote() string {
-	if d.d.Backend() == driver.BackendSim {
-		return "simulated driver (" + d.d.Reason() + ")"
-	}
-	return "CUDA driver (" + d.d.Reason() + ")"
-}
-
 // memUsed is the device memory in use on the context's device, as the
 // driver counts it, or -1 if it cannot tell.
 func memUsed(ctx *driver.Context) int64 {
