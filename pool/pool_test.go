@@ -288,3 +288,33 @@ func TestConfigRefused(t *testing.T) {
 	im.Close()
 	p.Wait()
 }
+
+// TestNextCancelledWithLeasesReady: Next on a cancelled context returns
+// the context's error even while leases are queued, so a worker loop
+// bounded by its context ends under a producer that never stops offering.
+func TestNextCancelledWithLeasesReady(t *testing.T) {
+	env := sharetest.Setup(t)
+	p, im := dial(t, env, 8, sharetest.EnvParam(sharetest.ParamCount, 4))
+	p.Expect("OFFERED")
+	l, err := im.Next(sharetest.Ctx(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.Release()
+	ctx, cancel := context.WithCancel(sharetest.Ctx(t))
+	cancel()
+	// Leases 2 to 4 are queued or on their way; none may come out.
+	for range 50 {
+		if l, err := im.Next(ctx); !errors.Is(err, context.Canceled) {
+			if l != nil {
+				l.Release()
+			}
+			t.Fatalf("Next on a cancelled context: %v, want context.Canceled", err)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if err := im.Shutdown(sharetest.Ctx(t)); err != nil {
+		t.Fatal(err)
+	}
+	producerDone(t, p)
+}

@@ -204,6 +204,11 @@ func (im *Importer) Next(ctx context.Context) (*Lease, error) {
 // A pool gives each worker a stream of its own this way, so that their
 // GPU work overlaps. Lease.Stream returns s.
 func (im *Importer) NextOn(ctx context.Context, s *driver.Stream) (*Lease, error) {
+	if err := ctx.Err(); err != nil {
+		// A loop bounded by its context must end even while leases keep
+		// arriving: the fast path below would never see it.
+		return nil, err
+	}
 	var l *Lease
 	select {
 	case l = <-im.ready:
