@@ -272,8 +272,8 @@ func (r *Ring) AcquireOn(ctx context.Context, s *driver.Stream) (*Buffer, error)
 	for {
 		select {
 		case b := <-r.free:
-			b, err := r.take(b)
-			if b != nil {
+			b, waits, err := r.take(b)
+			if waits {
 				if err := r.e.settle(b, s); err != nil {
 					b.Free()
 					return nil, err
@@ -293,14 +293,15 @@ func (r *Ring) AcquireOn(ctx context.Context, s *driver.Stream) (*Buffer, error)
 }
 
 // take gives b, just taken from the free list, to the producer; nil, nil
-// if it must not have it.
-func (r *Ring) take(b *Buffer) (*Buffer, error) {
+// if it must not have it. waits says whether consumers released it
+// stream-ordered (settle), so that the common case takes the lock once.
+func (r *Ring) take(b *Buffer) (_ *Buffer, waits bool, _ error) {
 	e := r.e
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if err := e.offerableLocked(b); err != nil {
 		r.free <- b
-		return nil, err
+		return nil, false, err
 	}
 	if b.leases > 0 || b.sending > 0 {
 		// Never hand out a buffer a consumer holds: it would be
@@ -309,10 +310,10 @@ func (r *Ring) take(b *Buffer) (*Buffer, error) {
 		e.log.Error("share: a leased ring buffer was in the free list; keeping it out until released",
 			"alloc", b.rec.id, "offset", b.off, "leases", b.leases)
 		b.held, b.offered = true, true
-		return nil, nil
+		return nil, false, nil
 	}
 	b.held = true
-	return b, nil
+	return b, len(b.after) > 0, nil
 }
 
 // Retire retires the ring's allocation (see Exporter.Retire) and frees it.

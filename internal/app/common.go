@@ -275,3 +275,17 @@ func newLogger(stderr io.Writer, role string, verbose bool) *slog.Logger {
 func seconds(d time.Duration) float64 { return math.Round(d.Seconds()*1000) / 1000 }
 
 func round1(f float64) float64 { return math.Round(f*10) / 10 }
+
+// runLoop runs loop in a goroutine of its own until the returned stop is
+// called; stop closes loop's done channel and waits for loop to return.
+func runLoop(loop func(done <-chan struct{})) (stop func()) {
+	done, finished := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(finished)
+		loop(done)
+	}()
+	return func() {
+		close(done)
+		<-finished
+	}
+}

@@ -311,22 +311,12 @@ func (c *consumer) consume(ctx context.Context, imp *share.Importer, stdout io.W
 		defer t.Stop()
 	}
 	if showProgress {
-		done, finished := make(chan struct{}), make(chan struct{})
-		go func() {
-			defer close(finished)
-			c.progressLoop(stdout, done)
-		}()
 		// The line is erased before the summary is printed.
-		defer func() { close(done); <-finished }()
+		defer runLoop(func(done <-chan struct{}) { c.progressLoop(stdout, done) })()
 	}
 	if c.cfg.reportEvery > 0 {
-		done, finished := make(chan struct{}), make(chan struct{})
-		go func() {
-			defer close(finished)
-			c.reportLoop(stdout, done)
-		}()
 		// No progress line may follow the final report.
-		defer func() { close(done); <-finished }()
+		defer runLoop(func(done <-chan struct{}) { c.reportLoop(stdout, done) })()
 	}
 
 	// The pool takes each lease as it arrives, runs the handler on it

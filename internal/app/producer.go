@@ -173,13 +173,8 @@ func (p *producer) run(ctx context.Context) error {
 	}
 	p.log.Info("listening", "socket", exp.Addr(), "driver", dev.d.Backend(), "device", p.cfg.device, "uuid", dev.dev.UUID())
 	if p.cfg.reportEvery > 0 {
-		done, finished := make(chan struct{}), make(chan struct{})
-		go func() {
-			defer close(finished)
-			p.reportLoop(exp, done)
-		}()
 		// No progress line may follow the final report.
-		defer func() { close(done); <-finished }()
+		defer runLoop(func(done <-chan struct{}) { p.reportLoop(exp, done) })()
 	}
 
 	// From here every path ends in Shutdown: nothing is freed while a
