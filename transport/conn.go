@@ -528,25 +528,28 @@ func (c *Conn) recvFailed(err error) error {
 		c.fail(fmt.Errorf("transport: %s: %w", c.desc, ErrClosed), false)
 		return err
 	}
+	var remote *RemoteError
+	if errors.As(err, &remote) {
+		// What the peer said is the cause, whatever failed on this side
+		// meanwhile or just before (a write into the connection it closed
+		// after saying it): that failure is only its echo. Reading the
+		// message and the write failing race when a stopped process
+		// resumes with both pending.
+		err = fmt.Errorf("transport: receive from %s: %w", c.desc, err)
+		c.rerr = err
+		c.fail(err, false)
+		return err
+	}
 	c.mu.Lock()
 	cur := c.err
 	c.mu.Unlock()
-	var remote *RemoteError
-	if cur != nil && errors.Is(cur, ErrDisconnected) && errors.As(err, &remote) {
-		// A write failed because the peer had closed, and what it said
-		// before it closed says why: that is the cause.
-		err = fmt.Errorf("transport: receive from %s: %w", c.desc, err)
-		c.rerr = err
-		c.nc.Close()
-		return err
-	}
 	if cur != nil {
 		// Failed or closed elsewhere first; that is the cause.
 		c.rerr = cur
 		c.nc.Close()
 		return cur
 	}
-	notify := !errors.As(err, &remote) && !errors.Is(err, ErrDisconnected) && !errors.Is(err, ErrClosed)
+	notify := !errors.Is(err, ErrDisconnected) && !errors.Is(err, ErrClosed)
 	if !errors.Is(err, ErrClosed) {
 		err = fmt.Errorf("transport: receive from %s: %w", c.desc, err)
 	}

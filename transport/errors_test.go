@@ -121,3 +121,23 @@ func TestRemoteErrorBeatsFailedWrite(t *testing.T) {
 		t.Fatalf("Recv after a failed write to a producer that dropped us: %v, want its error message", err)
 	}
 }
+
+// TestRemoteErrorIsTheCause: whatever failed on this side just before
+// (here a write into the connection the peer closed), an error message the
+// peer sent is what Recv reports. A resumed consumer's release write and
+// its read of the producer's reason race exactly so.
+func TestRemoteErrorIsTheCause(t *testing.T) {
+	checkNoFDLeak(t)
+	_, cons := pair(t, testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil))
+	cons.setFailure(fmt.Errorf("transport: send to producer: %w: broken pipe", ErrDisconnected))
+	cons.rmu.Lock()
+	err := cons.recvFailed(&RemoteError{Code: codeTimeout, Message: "held a lease past the lease timeout"})
+	cons.rmu.Unlock()
+	if !errors.Is(err, ErrTimeout) || !errors.Is(err, ErrRemote) {
+		t.Fatalf("Recv's error after a failed write and the peer's reason: %v, want the reason", err)
+	}
+	var m Message
+	if err := cons.Recv(testCtx(t), &m); !errors.Is(err, ErrTimeout) {
+		t.Fatalf("the next Recv: %v, want the same reason", err)
+	}
+}
