@@ -1043,6 +1043,28 @@ func (c *Conn) fail(err error, notify bool) error {
 	first, err := c.setFailure(err)
 	if first && notify {
 		c.mu.Lock()
+		// A write under way (an offer that left as the failure came) ends
+		// in microseconds, or fails: wait for it, briefly, rather than
+		// leave the peer without the reason. Nothing new starts now that
+		// the failure is set.
+		if c.writing && !c.cut {
+			deadline := time.Now().Add(errorWriteTimeout)
+			for c.writing && !c.cut {
+				left := time.Until(deadline)
+				if left <= 0 {
+					break
+				}
+				ch := c.progressLocked()
+				c.mu.Unlock()
+				t := time.NewTimer(left)
+				select {
+				case <-ch:
+				case <-t.C:
+				}
+				t.Stop()
+				c.mu.Lock()
+			}
+		}
 		own := !c.writing && !c.cut
 		c.writing = true // for good: nothing else is written
 		c.mu.Unlock()

@@ -8,6 +8,7 @@ import (
 	"os"
 	"sync"
 	"testing"
+	"time"
 )
 
 // TestNewErrorCodes proves the timeout and limit codes map both ways: a
@@ -139,5 +140,33 @@ func TestRemoteErrorIsTheCause(t *testing.T) {
 	var m Message
 	if err := cons.Recv(testCtx(t), &m); !errors.Is(err, ErrTimeout) {
 		t.Fatalf("the next Recv: %v, want the same reason", err)
+	}
+}
+
+// TestErrorWaitsForWriteUnderWay: a connection failed for a protocol error
+// while a write is under way (an offer leaving as the peer's bad release
+// arrives) still tells the peer why, once the write is done; it used to
+// close without a word, and the peer read a bare end of stream.
+func TestErrorWaitsForWriteUnderWay(t *testing.T) {
+	checkNoFDLeak(t)
+	prod, cons := pair(t, testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil))
+	prod.mu.Lock()
+	prod.writing = true // as a sender in the middle of its write
+	prod.mu.Unlock()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		prod.CloseWithError(fmt.Errorf("%w: release of an offer it does not hold", ErrUnexpectedMessage))
+	}()
+	time.Sleep(20 * time.Millisecond) // ordering only: let CloseWithError find the write under way
+	prod.mu.Lock()
+	prod.writing = false
+	prod.wakeLocked()
+	prod.mu.Unlock()
+	<-done
+	var m Message
+	var remote *RemoteError
+	if err := cons.Recv(testCtx(t), &m); !errors.As(err, &remote) || remote.Code != codeUnexpected {
+		t.Fatalf("peer of a connection failed during a write: %v, want the error message (code %d)", err, codeUnexpected)
 	}
 }
