@@ -453,8 +453,9 @@ func TestDefectShutdownTimeoutStuckConsumer(t *testing.T) {
 func TestDefectReleaseNotHeld(t *testing.T) {
 	e := newEnv(t, "")
 	prod := e.producer("-ring", "8", "-size", "64KiB", "-fill=false", "-consumers", "1")
-	good := e.consumer("good", "-verify", "none", "-work", "1ms")
+	// Started once the socket is there (see TestDefectClosedWhileLeased).
 	e.waitSocket(prod)
+	good := e.consumer("good", "-verify", "none", "-work", "1ms")
 	for _, kind := range []string{"release-twice", "release-never-sent"} {
 		h := e.hostile(kind)
 		h.expectExit(0, 30*time.Second)
