@@ -35,7 +35,13 @@ type Buffer struct {
 	offered     bool // ring: offered since it was acquired
 	freePending bool
 	freed       bool
-	idle        chan struct{} // closed when leases and sends reach zero; made by Wait
+	// abandoned: a consumer lost while holding it may still read it (VMM
+	// only): it is never written again (abandonLocked).
+	abandoned bool
+	// successor takes this ring buffer's place once it is idle: its
+	// allocation is being replaced (quarantineLocked).
+	successor *Buffer
+	idle      chan struct{} // closed when leases and sends reach zero; made by Wait
 	// after are the release events of consumers that released b
 	// stream-ordered: its next write waits on them (settle). settling is
 	// the other half of a double buffer, so that neither allocates.
@@ -129,7 +135,11 @@ func (b *Buffer) WaitOn(ctx context.Context, s *driver.Stream) error {
 			return err
 		}
 	}
+	abandoned := b.abandoned
 	e.mu.Unlock()
+	if abandoned {
+		return fmt.Errorf("%w: offset %d of allocation %d", ErrAbandoned, b.off, b.rec.id)
+	}
 	return e.settle(b, s)
 }
 
@@ -166,6 +176,16 @@ func (b *Buffer) Free() error {
 	return errors.New("share: Free of a registered buffer: its memory belongs to the caller; use Exporter.Retire")
 }
 
+// releaseAfterLocked drops b's stream-ordered release events: b is never
+// written again. mu held.
+func (e *Exporter) releaseAfterLocked(b *Buffer) {
+	for _, ce := range b.after {
+		e.unrefEventLocked(ce, 1)
+	}
+	clear(b.after)
+	b.after = b.after[:0]
+}
+
 // freeBufferLocked returns an arena buffer's range.
 func (e *Exporter) freeBufferLocked(b *Buffer) {
 	b.freed, b.freePending = true, false
@@ -176,6 +196,11 @@ func (e *Exporter) freeBufferLocked(b *Buffer) {
 	}
 	a := b.arena
 	switch {
+	case b.abandoned:
+		// A lost consumer may still read it: the range stays out of use
+		// until the arena is retired.
+		e.releaseAfterLocked(b)
+		e.stats.AbandonedBytes += b.span
 	case b.rec.state != recLive:
 	case len(b.after) > 0:
 		// Consumers' GPU work may still read it: the range comes back
@@ -226,32 +251,64 @@ func (a *Arena) reclaimLocked() {
 // reused-buffer path: it allocates nothing per handoff.
 type Ring struct {
 	e    *Exporter
-	rec  *allocRec
-	bufs []*Buffer
+	rec  *allocRec     // its first allocation, to name the ring in errors
+	bufs []*Buffer     // Exporter.mu: a replaced buffer's successor takes its place
 	free chan *Buffer  // buffers ready to be acquired; room for all
-	dead chan struct{} // closed once the ring's allocation is retired
+	dead chan struct{} // closed once the ring is retired
+	// Exporter.mu.
+	deadClosed bool
 }
 
-// NewRing allocates n buffers of size bytes each, in one allocation.
+// NewRing allocates n buffers of size bytes each. With legacy IPC they
+// lie in one allocation, so a consumer maps the ring once. With VMM, in as
+// few allocations as the granularity allows each holding as many buffers
+// as fit (8 x 1 MiB at 2 MiB granularity: 4 allocations of 2), so that a
+// buffer a lost consumer may still read is replaced with little memory
+// (PROTOCOL.md, section 7.1).
 func (e *Exporter) NewRing(n int, size uint64) (*Ring, error) {
 	if n <= 0 || size == 0 {
 		return nil, fmt.Errorf("share: NewRing(%d, %d): %w", n, size, driver.ErrInvalidValue)
 	}
 	stride := alignUp(size)
-	rec, err := e.allocOwned(stride * uint64(n))
-	if err != nil {
-		return nil, err
+	per := n
+	if e.sharing == SharingVMM {
+		per = int(max(1, e.gran/stride))
+		per = min(per, n)
 	}
-	r := &Ring{e: e, rec: rec, bufs: make([]*Buffer, n), free: make(chan *Buffer, n), dead: make(chan struct{})}
-	for i := range r.bufs {
-		b := &Buffer{e: e, rec: rec, off: uint64(i) * stride, size: size, ring: r}
-		r.bufs[i] = b
-		r.free <- b
-	}
+	r := &Ring{e: e, bufs: make([]*Buffer, n), free: make(chan *Buffer, n), dead: make(chan struct{})}
 	e.mu.Lock()
-	rec.ring = r
-	e.mu.Unlock()
+	defer e.mu.Unlock()
+	var recs []*allocRec
+	for i := 0; i < n; i += per {
+		rec, err := e.newOwnedChecked(stride * uint64(min(per, n-i)))
+		if err != nil {
+			for _, rec := range recs {
+				if ferr := e.freeMemory(rec); ferr != nil {
+					err = errors.Join(err, ferr)
+				}
+				delete(e.allocs, rec.id)
+			}
+			return nil, err
+		}
+		rec.ring = r
+		recs = append(recs, rec)
+		for j := i; j < min(i+per, n); j++ {
+			b := &Buffer{e: e, rec: rec, off: uint64(j-i) * stride, size: size, ring: r}
+			r.bufs[j] = b
+			r.free <- b
+		}
+	}
+	r.rec = recs[0]
 	return r, nil
+}
+
+// newOwnedChecked is newOwnedLocked, refused once the exporter closes.
+// mu held.
+func (e *Exporter) newOwnedChecked(size uint64) (*allocRec, error) {
+	if e.closing {
+		return nil, ErrClosed
+	}
+	return e.newOwnedLocked(size)
 }
 
 // Acquire waits within ctx for a buffer that no consumer holds and gives
@@ -285,6 +342,11 @@ func (r *Ring) AcquireOn(ctx context.Context, s *driver.Stream) (*Buffer, error)
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		case <-r.dead:
+			select {
+			case <-r.e.done:
+				return nil, ErrClosed
+			default:
+			}
 			return nil, fmt.Errorf("%w: ring allocation %d", ErrRetired, r.rec.id)
 		case <-r.e.done:
 			return nil, ErrClosed
@@ -316,8 +378,30 @@ func (r *Ring) take(b *Buffer) (_ *Buffer, waits bool, _ error) {
 	return b, len(b.after) > 0, nil
 }
 
-// Retire retires the ring's allocation (see Exporter.Retire) and frees it.
-func (r *Ring) Retire(ctx context.Context) error { return r.e.retire(ctx, r.rec) }
+// Retire retires the ring's allocations (see Exporter.Retire) and frees
+// them.
+func (r *Ring) Retire(ctx context.Context) error {
+	e := r.e
+	e.mu.Lock()
+	var recs []*allocRec
+	for _, rec := range e.allocs {
+		if rec.ring == r {
+			recs = append(recs, rec)
+		}
+	}
+	e.mu.Unlock()
+	for _, rec := range recs {
+		if err := e.startRetire(ctx, rec); err != nil {
+			return err
+		}
+	}
+	for _, rec := range recs {
+		if err := e.finishRetire(ctx, rec); err != nil {
+			return err
+		}
+	}
+	return nil
+}
 
 // Arena is one large exported allocation that buffers are sub-allocated
 // from, so fresh buffers cost no driver call and a consumer maps the arena
@@ -330,19 +414,21 @@ type Arena struct {
 	pending []*Buffer     // freed, waiting for consumers' GPU work; Exporter.mu
 }
 
-// NewArena allocates an arena of size bytes.
+// NewArena allocates an arena of at least size bytes (with VMM, size
+// rounded up to the allocation granularity).
 func (e *Exporter) NewArena(size uint64) (*Arena, error) {
 	if size == 0 {
 		return nil, fmt.Errorf("share: NewArena(0): %w", driver.ErrInvalidValue)
 	}
-	rec, err := e.allocOwned(size)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	rec, err := e.newOwnedChecked(size)
 	if err != nil {
 		return nil, err
 	}
-	a := &Arena{e: e, rec: rec, spans: newSpans(size)}
-	e.mu.Lock()
+	// A VMM arena is rounded up to the granularity: the rest is usable.
+	a := &Arena{e: e, rec: rec, spans: newSpans(rec.size)}
 	rec.arena = a
-	e.mu.Unlock()
 	return a, nil
 }
 

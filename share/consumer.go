@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
@@ -52,6 +53,10 @@ type consumer struct {
 	dropped     bool                               // forgotten: nothing it held counts
 
 	done chan struct{} // closed when its connection has ended
+
+	// sendMu orders the offers of VMM allocations to it, so that the one
+	// carrying an allocation's fd reaches it first (sendFD).
+	sendMu sync.Mutex
 }
 
 // consEvent is a consumer's release event, opened in this process. A
@@ -60,7 +65,10 @@ type consumer struct {
 type consEvent struct {
 	ev   *driver.Event
 	refs int  // buffers whose next write waits on it, and waits under way
-	dead bool // its consumer was dropped
+	dead bool // its consumer's processes are gone, or it said goodbye: nothing waits on it
+	// orphan: its consumer was dropped while its processes may live; it is
+	// still waited on, and closed once nothing refers to it.
+	orphan bool
 }
 
 // MaxReleaseEvents bounds the distinct release events one consumer may use
@@ -69,6 +77,7 @@ const MaxReleaseEvents = 64
 
 // mapping is one consumer's use of one allocation.
 type mapping struct {
+	fdSent     bool   // the allocation's fd went out to it (consumer.sendMu)
 	retireSent bool   // it was told to close it, and may answer closed
 	leases     int    // its leases in the allocation
 	bytes      uint64 // what those leases cover
@@ -164,6 +173,11 @@ func (e *Exporter) acceptLoop() {
 			return
 		}
 		peer := conn.Peer()
+		if err := e.refuse(peer.Caps); err != nil {
+			e.log.Warn("share: refusing a consumer", "peer", peer.String(), "why", err)
+			conn.CloseWithError(err)
+			continue
+		}
 		c := &consumer{
 			e: e, conn: conn, peer: peer,
 			window: conn.Credits(),
@@ -323,7 +337,7 @@ func (e *Exporter) killEventLocked(ce *consEvent) {
 // unreferenced. mu held.
 func (e *Exporter) unrefEventLocked(ce *consEvent, n int) {
 	ce.refs -= n
-	if ce.dead && ce.refs == 0 && ce.ev != nil {
+	if (ce.dead || ce.orphan) && ce.refs == 0 && ce.ev != nil {
 		if err := ce.ev.Close(); err != nil {
 			e.log.Warn("share: closing a consumer's release event", "err", err)
 		}
@@ -405,6 +419,10 @@ func (e *Exporter) onGone(c *consumer, err error) {
 	if e.life.Err() != nil {
 		return // Close deals with what is left
 	}
+	if !clean && c.holdsLocked() {
+		// What it holds in VMM allocations needs no wait (section 7.1).
+		e.releaseVMMLocked(c)
+	}
 	switch {
 	case clean || !c.holdsLocked() || e.holdersGoneLocked(c):
 		e.dropLocked(c)
@@ -456,8 +474,17 @@ func (e *Exporter) dropLocked(c *consumer) {
 		delete(rec.mappers, c)
 	}
 	c.allocs = nil
+	// Its stream-ordered releases' GPU work is done if it said goodbye
+	// (a consumer waits for it first) or its processes exited; else the
+	// buffers it released still wait for it, and its events close after.
+	gone := c.saidBye || c.sentBye || e.holdersGoneLocked(c)
 	for _, ce := range c.events {
-		e.killEventLocked(ce)
+		if gone {
+			e.killEventLocked(ce)
+		} else {
+			ce.orphan = true
+			e.unrefEventLocked(ce, 0)
+		}
 	}
 	e.unwatchLocked(c)
 	e.notifyLocked(&e.changed)

@@ -30,4 +30,8 @@ var (
 	// ErrNotHeld: the buffer is not the producer's to offer: a ring
 	// buffer that went back to its ring (Acquire it again first).
 	ErrNotHeld = errors.New("share: buffer not held by the producer")
+	// ErrAbandoned: a consumer lost while holding the buffer may still
+	// read it (VMM sharing): it is never written again. A ring has put
+	// fresh memory in its place; take another buffer.
+	ErrAbandoned = errors.New("share: buffer abandoned to a lost consumer")
 )

@@ -39,6 +39,11 @@ type ExporterConfig struct {
 	// messages unread before it is dropped (transport.Config.WriteTimeout).
 	// 0 means the transport's default.
 	WriteTimeout time.Duration
+	// Sharing is how rings and arenas are allocated and shared: VMM
+	// allocations exported as file descriptors, or legacy IPC. The zero
+	// value, SharingAuto, takes VMM where the device supports it.
+	// Exporter.Sharing says which was taken and why.
+	Sharing Sharing
 }
 
 // DefaultLeaseTimeout is ExporterConfig.LeaseTimeout's default.
@@ -73,6 +78,11 @@ type ExporterStats struct {
 	// they may map is freed only after a goodbye, else never before the
 	// producer exits.
 	ConsumersUnwatched uint64
+	// Abandoned counts buffers given up to a lost consumer that may still
+	// read them (VMM): never written again. AbandonedBytes is what of
+	// them lies in arenas, out of use until the arena is retired; Replaced
+	// counts ring allocations replaced with fresh memory because of them.
+	Abandoned, AbandonedBytes, Replaced uint64
 }
 
 // Exporter is the producer side: it listens on a Unix socket, accepts
@@ -83,6 +93,10 @@ type Exporter struct {
 	dev  transport.UUID
 	ln   *transport.Listener
 	log  *slog.Logger
+
+	sharing    Sharing // SharingIPC or SharingVMM
+	sharingWhy string
+	gran       uint64 // VMM allocation granularity
 
 	life      context.Context // ends with Close; bounds every goroutine
 	cancel    context.CancelFunc
@@ -127,6 +141,8 @@ type allocRec struct {
 	bufID  uint64
 	handle transport.IPCHandle // cached: one IpcGetMemHandle per allocation
 	owned  bool                // allocated by the exporter, freed on retire
+	kind   transport.HandleKind
+	vmm    *vmmMem // the producer's handle and mapping, for HandleFD
 	ring   *Ring
 	arena  *Arena
 
@@ -134,6 +150,11 @@ type allocRec struct {
 	sending int                    // offers between reservation and queueing
 	mappers map[*consumer]struct{} // consumers that may have it mapped (their allocs say how)
 	evBufs  map[*Buffer]struct{}   // buffers holding a pooled event
+	// quarantined: a ring allocation replaced because a lost consumer may
+	// read a buffer in it; members are its buffers still in use, whose
+	// successors come in when they are idle.
+	quarantined bool
+	members     int
 }
 
 // expEvent is an interprocess event and its cached handle.
@@ -170,11 +191,17 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 	if leaseTimeout == 0 {
 		leaseTimeout = DefaultLeaseTimeout
 	}
+	sharing, gran, why, err := resolveSharing(dctx.Device(), cfg.Sharing)
+	if err != nil {
+		return nil, err
+	}
 	ln, err := transport.Listen(ctx, path, tcfg)
 	if err != nil {
 		return nil, err
 	}
+	log.Info("share: exporter sharing path", "sharing", sharing.String(), "why", why)
 	e := &Exporter{
+		sharing: sharing, sharingWhy: why, gran: gran,
 		dctx:    dctx,
 		dev:     dev,
 		ln:      ln,
@@ -300,43 +327,6 @@ func (e *Exporter) registered(base driver.DevicePtr, bufID uint64) (*allocRec, e
 	return nil, nil
 }
 
-// allocOwned allocates size bytes that the exporter owns.
-func (e *Exporter) allocOwned(size uint64) (*allocRec, error) {
-	e.mu.Lock()
-	closing := e.closing
-	e.mu.Unlock()
-	if closing {
-		return nil, ErrClosed
-	}
-	p, err := e.dctx.Alloc(size)
-	if err != nil {
-		return nil, fmt.Errorf("share: %w", err)
-	}
-	fail := func(err error) (*allocRec, error) {
-		if ferr := e.dctx.Free(p); ferr != nil {
-			err = errors.Join(err, ferr)
-		}
-		if errors.Is(err, ErrClosed) {
-			return nil, err
-		}
-		return nil, fmt.Errorf("share: %w", err)
-	}
-	bufID, err := e.dctx.BufferID(p)
-	if err != nil {
-		return fail(err)
-	}
-	h, err := e.dctx.IpcGetMemHandle(p)
-	if err != nil {
-		return fail(err)
-	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.closing {
-		return fail(ErrClosed)
-	}
-	return e.newRecLocked(p, size, bufID, h, true), nil
-}
-
 // --- Offers -----------------------------------------------------------------
 
 // OfferOptions go with an offer.
@@ -387,10 +377,10 @@ func (e *Exporter) Offer(ctx context.Context, b *Buffer, opts OfferOptions) erro
 			return err
 		}
 	}
-	seq, gen := e.reserveLocked(c, b)
+	seq, gen, m := e.reserveLocked(c, b)
 	ev := b.ev
 	e.mu.Unlock()
-	err := e.send(ctx, c, b, seq, gen, ev, &opts, true)
+	err := e.send(ctx, c, b, m, seq, gen, ev, &opts, true)
 	e.mu.Lock()
 	e.finishLocked(c, b, seq, err)
 	e.mu.Unlock()
@@ -460,10 +450,10 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 			e.mu.Unlock()
 			continue
 		}
-		seq, gen := e.reserveLocked(c, b)
+		seq, gen, m := e.reserveLocked(c, b)
 		ev := b.ev
 		e.mu.Unlock()
-		err = e.send(ctx, c, b, seq, gen, ev, &opts, record)
+		err = e.send(ctx, c, b, m, seq, gen, ev, &opts, record)
 		e.mu.Lock()
 		e.finishLocked(c, b, seq, err)
 		e.mu.Unlock()
@@ -529,13 +519,24 @@ func (e *Exporter) takesLocked(c *consumer, b *Buffer) bool {
 	if !c.active || c.out >= e.capLocked(c) {
 		return false
 	}
+	if len(e.consumers) < 2 {
+		return true
+	}
+	if r := b.rec.ring; r != nil {
+		// Its leases in every allocation of the ring.
+		n := 0
+		for rec, m := range c.allocs {
+			if rec.ring == r {
+				n += m.leases
+			}
+		}
+		return 2*n < len(r.bufs)
+	}
 	m := c.allocs[b.rec]
-	if m == nil || m.leases == 0 || len(e.consumers) < 2 {
+	if m == nil || m.leases == 0 {
 		return true
 	}
 	switch rec := b.rec; {
-	case rec.ring != nil:
-		return 2*m.leases < len(rec.ring.bufs)
 	case rec.arena != nil:
 		return 2*(m.bytes+b.size) <= rec.size
 	}
@@ -613,7 +614,7 @@ func (e *Exporter) pickLocked() *consumer {
 }
 
 // reserveLocked takes a credit of c and a lease slot for b.
-func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64) {
+func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64, _ *mapping) {
 	var idx uint32
 	if n := len(c.freeSlots); n > 0 {
 		idx = c.freeSlots[n-1]
@@ -641,11 +642,11 @@ func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64) {
 	}
 	m.leases++
 	m.bytes += b.size
-	return uint64(s.gen)<<32 | uint64(idx), b.offers
+	return uint64(s.gen)<<32 | uint64(idx), b.offers, m
 }
 
 // send records the event if asked, and queues the offer.
-func (e *Exporter) send(ctx context.Context, c *consumer, b *Buffer, seq, gen uint64, ev *expEvent, opts *OfferOptions, record bool) error {
+func (e *Exporter) send(ctx context.Context, c *consumer, b *Buffer, m *mapping, seq, gen uint64, ev *expEvent, opts *OfferOptions, record bool) error {
 	if opts.Stream != nil {
 		if ev == nil {
 			var err error
@@ -661,13 +662,16 @@ func (e *Exporter) send(ctx context.Context, c *consumer, b *Buffer, seq, gen ui
 	}
 	rec := b.rec
 	o := transport.Offer{
-		Seq: seq, AllocID: rec.id, Generation: gen, Handle: rec.handle,
+		Seq: seq, AllocID: rec.id, Generation: gen, Handle: rec.handle, HandleKind: rec.kind,
 		AllocSize: rec.size, Offset: b.off, Size: b.size, Device: e.dev, Meta: opts.Meta,
 	}
 	if ev != nil && opts.Stream != nil {
 		o.Event, o.HasEvent = ev.h, true
 	}
-	return c.conn.SendOffer(ctx, &o)
+	if rec.kind != transport.HandleFD {
+		return c.conn.SendOffer(ctx, &o)
+	}
+	return e.sendFD(ctx, c, &o, m)
 }
 
 // finishLocked ends a reservation: on success the offer is out; on error
@@ -679,16 +683,14 @@ func (e *Exporter) finishLocked(c *consumer, b *Buffer, seq uint64, err error) {
 		if b.ring != nil && b.held {
 			b.offered = true
 		}
-		if c.dropped {
-			// The consumer was dropped while this offer was being sent. If
-			// the drop voided the lease, it did not count it: it ends
-			// here. (The consumer may have released it before its drop:
-			// then it was counted then.)
-			if i := slices.Index(c.voided, seq); i >= 0 {
-				c.voided = slices.Delete(c.voided, i, i+1)
-				e.stats.Releases++
-			}
-		} else if s := &c.slots[uint32(seq)]; s.b == b && s.gen == uint32(seq>>32) {
+		if i := slices.Index(c.voided, seq); i >= 0 {
+			// The consumer was lost while this offer was being sent, and
+			// the loss voided the lease without counting it: it ends
+			// here. (The consumer may have released it before: then it
+			// was counted then.)
+			c.voided = slices.Delete(c.voided, i, i+1)
+			e.stats.Releases++
+		} else if s := &c.slots[uint32(seq)]; !c.dropped && s.b == b && s.gen == uint32(seq>>32) {
 			s.sent = true
 		}
 	} else if !c.dropped {
@@ -773,7 +775,20 @@ func (e *Exporter) idleLocked(b *Buffer) {
 		e.freeBufferLocked(b)
 	case b.ring != nil && b.held && b.offered:
 		b.held, b.offered = false, false
-		b.ring.free <- b // never blocks: the ring has room for all its buffers
+		switch {
+		case b.successor != nil:
+			// Its allocation is being replaced: the successor takes its
+			// slot.
+			e.releaseAfterLocked(b)
+			b.ring.free <- b.successor
+			b.successor = nil
+			e.memberIdleLocked(b.rec)
+		case b.abandoned:
+			// Never written again; its slot was refilled (or could not be).
+			e.releaseAfterLocked(b)
+		default:
+			b.ring.free <- b // never blocks: the ring has room for all its buffers
+		}
 	}
 }
 
@@ -887,7 +902,7 @@ func (e *Exporter) finishRetire(ctx context.Context, rec *allocRec) error {
 			e.mu.Unlock()
 			var err error
 			if rec.owned {
-				err = e.dctx.Free(rec.base)
+				err = e.freeMemory(rec)
 			}
 			e.mu.Lock()
 			if err != nil {
@@ -916,8 +931,9 @@ func (e *Exporter) dropRecLocked(rec *allocRec) {
 		b.ev = nil
 	}
 	clear(rec.evBufs)
-	if rec.ring != nil {
-		close(rec.ring.dead)
+	if r := rec.ring; r != nil && !rec.quarantined && !r.deadClosed {
+		r.deadClosed = true
+		close(r.dead)
 	}
 	if a := rec.arena; a != nil {
 		// Nothing will be allocated there again.
@@ -1044,7 +1060,9 @@ func (e *Exporter) Close() error {
 			if rec.state == recFreed || rec.state == recFreeing {
 				continue // a Retire in flight frees it
 			}
-			if len(rec.mappers) > 0 || rec.sending > 0 {
+			// A consumer's handle and mapping keep VMM memory alive by
+			// themselves: only legacy IPC memory must outlive its mappers.
+			if rec.vmm == nil && len(rec.mappers) > 0 || rec.sending > 0 {
 				if rec.owned {
 					e.log.Warn("share: Close leaves an allocation that a consumer may still map allocated",
 						"alloc", rec.id, "base", fmt.Sprintf("%#x", uint64(rec.base)), "size", rec.size, "consumers", len(rec.mappers))
@@ -1052,7 +1070,7 @@ func (e *Exporter) Close() error {
 				continue
 			}
 			if rec.owned {
-				if err := e.dctx.Free(rec.base); err != nil {
+				if err := e.freeMemory(rec); err != nil {
 					errs = append(errs, fmt.Errorf("share: free allocation %d: %w", rec.id, err))
 					continue
 				}

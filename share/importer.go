@@ -15,6 +15,7 @@ import (
 
 	"github.com/seed743c36cf/cudashare/driver"
 	"github.com/seed743c36cf/cudashare/transport"
+	"golang.org/x/sys/unix"
 )
 
 // ImporterConfig configures an Importer. The zero value is usable.
@@ -89,6 +90,7 @@ type Importer struct {
 	gone      bool  // the producer is gone: nothing more is sent to it
 	allocs    map[uint64]*impAlloc
 	block     weak.Pointer[leaseBlock] // where new leases come from
+	failed    map[uint64]error         // posix_fd allocations whose import failed
 	events    map[transport.IPCHandle]*driver.Event
 	relEvs    map[*driver.Stream]*relEvent // stream-ordered releases: one event per stream
 	relEvOK   bool                         // the producer honours release events
@@ -136,6 +138,7 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 	tcfg := transport.DefaultConfig(transport.RoleConsumer)
 	tcfg.Devices = []transport.UUID{transport.UUID(dev)}
 	tcfg.Credits = cfg.Credits
+	tcfg.AcceptFDs = true // posix_fd allocations (PROTOCOL.md, section 4.1)
 	tcfg.Logger = log
 	tcfg.WriteTimeout = cfg.WriteTimeout
 	if len(cfg.AllowedUIDs) > 0 {
@@ -153,6 +156,7 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 		stop:     make(chan struct{}),
 		recvDone: make(chan struct{}),
 		allocs:   make(map[uint64]*impAlloc),
+		failed:   make(map[uint64]error),
 		events:   make(map[transport.IPCHandle]*driver.Event),
 		relEvs:   make(map[*driver.Stream]*relEvent),
 		relEvOK:  conn.Peer().Caps&transport.CapReleaseEvents != 0,
@@ -304,6 +308,12 @@ func (im *Importer) recvLoop() {
 
 // onOffer maps an offer and queues its lease.
 func (im *Importer) onOffer(o *transport.Offer) {
+	// The descriptors are ours; an import keeps what it needs.
+	defer func() {
+		for _, fd := range o.FDs {
+			unix.Close(fd)
+		}
+	}()
 	im.mu.Lock()
 	defer im.mu.Unlock()
 	if im.state != stateOpen {
@@ -312,6 +322,10 @@ func (im *Importer) onOffer(o *transport.Offer) {
 		return
 	}
 	l, err := im.leaseLocked(o)
+	if errors.Is(err, transport.ErrMalformed) || errors.Is(err, transport.ErrNotSupported) {
+		// The producer broke the protocol: nothing it sends can be trusted.
+		im.conn.CloseWithError(err)
+	}
 	if err != nil {
 		im.sendReleaseLocked(o.Seq, nil)
 		l = &Lease{err: fmt.Errorf("share: offer %d of allocation %d: %w", o.Seq, o.AllocID, err)}
@@ -329,17 +343,40 @@ func (im *Importer) onOffer(o *transport.Offer) {
 func (im *Importer) leaseLocked(o *transport.Offer) (*Lease, error) {
 	a := im.allocs[o.AllocID]
 	switch {
+	case a == nil && im.failed[o.AllocID] != nil:
+		// Its fd came with the first offer, whose import failed.
+		return nil, im.failed[o.AllocID]
 	case a == nil:
 		key := regKey{
 			pid: im.peer.PID, inst: im.peer.InstanceID,
 			src: driver.UUID(o.Device), dst: im.dev, handle: o.Handle,
 		}
-		ent, err := im.reg.acquire(im.dctx, &key, o.AllocID, o.AllocSize)
+		var ent *regEntry
+		var err error
+		switch o.HandleKind {
+		case transport.HandleIPC:
+			ent, err = im.reg.acquire(im.dctx, &key, o.AllocID, o.AllocSize)
+		case transport.HandleFD:
+			if len(o.FDs) != 1 {
+				return nil, fmt.Errorf("%w: first offer of posix_fd allocation %d carries %d descriptors, want 1", transport.ErrMalformed, o.AllocID, len(o.FDs))
+			}
+			ent, err = im.reg.acquireFD(im.dctx, &key, o.FDs[0], o.AllocID, o.AllocSize)
+		default:
+			return nil, fmt.Errorf("%w: offer of allocation %d with handle kind %s, which this consumer cannot import", transport.ErrNotSupported, o.AllocID, o.HandleKind)
+		}
+		if err != nil && o.HandleKind == transport.HandleFD && !errors.Is(err, transport.ErrMalformed) {
+			if len(im.failed) >= maxFailedAllocs {
+				return nil, fmt.Errorf("%w: more than %d allocations failed to import", transport.ErrLimit, maxFailedAllocs)
+			}
+			im.failed[o.AllocID] = err
+		}
 		if err != nil {
 			return nil, err
 		}
 		a = &impAlloc{id: o.AllocID, handle: o.Handle, ent: ent}
 		im.allocs[o.AllocID] = a
+	case len(o.FDs) > 0:
+		return nil, fmt.Errorf("%w: offer of allocation %d, mapped already, carries %d descriptors", transport.ErrMalformed, o.AllocID, len(o.FDs))
 	case a.handle != o.Handle:
 		return nil, fmt.Errorf("%w: allocation %d was mapped from another handle", ErrStaleHandle, o.AllocID)
 	case a.retired:
@@ -372,6 +409,10 @@ func (im *Importer) leaseLocked(o *transport.Offer) (*Lease, error) {
 	return l, nil
 }
 
+// maxFailedAllocs bounds the posix_fd allocations whose failed import an
+// importer remembers until they are retired.
+const maxFailedAllocs = 1024
+
 // onRetire closes the allocation's mapping now if no lease is in it, else
 // when the last one is released.
 func (im *Importer) onRetire(allocID uint64) {
@@ -380,6 +421,7 @@ func (im *Importer) onRetire(allocID uint64) {
 	a := im.allocs[allocID]
 	if a == nil {
 		// Never mapped here (its offer failed to map): nothing to close.
+		delete(im.failed, allocID)
 		im.sendClosedLocked(allocID)
 		return
 	}

@@ -212,11 +212,14 @@ func TestBroadcastStalledConsumer(t *testing.T) {
 // TestLeaseTimeout: a consumer that holds a lease past the deadline is
 // dropped with an error that says so, the others go on, and what it held
 // comes back only once its process has exited (it may still map it).
-func TestLeaseTimeout(t *testing.T) {
+// With VMM it never comes back: fresh memory takes its place at once.
+func TestLeaseTimeout(t *testing.T) { bothPaths(t, testLeaseTimeout) }
+
+func testLeaseTimeout(t *testing.T, sharing share.Sharing) {
 	env := sharetest.Setup(t)
 	mem := env.FreeMemory(t)
 	defer env.CheckMemory(t, mem)
-	e := newExporterWith(t, env, share.ExporterConfig{LeaseTimeout: 300 * time.Millisecond})
+	e := newExporterWith(t, env, share.ExporterConfig{LeaseTimeout: 300 * time.Millisecond, Sharing: sharing})
 	stuck := startConsumer(t, e, sharetest.EnvParam(sharetest.ParamHold, 1))
 	ctx := sharetest.Ctx(t)
 	if err := e.WaitConsumers(ctx, 1); err != nil {
@@ -237,8 +240,16 @@ func TestLeaseTimeout(t *testing.T) {
 	// releases each at once.
 	offerRing(t, env, e, r, 1, 20)
 	// Until the stuck consumer's process exits, its lease stands: the good
-	// consumer's go down to 0 as it releases them.
-	waitUntil(t, "only the stuck consumer's lease to be left", func() bool { return e.Stats().Leases == 1 })
+	// consumer's go down to 0 as it releases them. With VMM it was voided
+	// at the drop, and its buffer replaced.
+	if sharing == share.SharingVMM {
+		waitUntil(t, "every lease to be released", func() bool { return e.Stats().Leases == 0 })
+		if s := e.Stats(); s.Abandoned != 1 || s.Replaced != 1 {
+			t.Errorf("exporter stats %+v, want one buffer abandoned and its allocation replaced", s)
+		}
+	} else {
+		waitUntil(t, "only the stuck consumer's lease to be left", func() bool { return e.Stats().Leases == 1 })
+	}
 	stuck.Send("release")
 	var srep sharetest.ConsumerReport
 	stuck.Report(&srep)
@@ -259,11 +270,19 @@ func TestLeaseTimeout(t *testing.T) {
 // lyingConsumer starts a raw consumer holding both buffers of a ring of
 // two, and checks that after cmd the exporter
 // drops it for a protocol error without freeing what it maps.
+//
+// With VMM the exporter need not wait for it at all: Retire frees the
+// producer's handle at once, and the liar still reads the right data
+// through its own mapping.
 func lyingConsumer(t *testing.T, cmd string) {
+	bothPaths(t, func(t *testing.T, sharing share.Sharing) { lyingConsumerOn(t, cmd, sharing) })
+}
+
+func lyingConsumerOn(t *testing.T, cmd string, sharing share.Sharing) {
 	env := sharetest.Setup(t)
 	mem := env.FreeMemory(t)
 	defer env.CheckMemory(t, mem)
-	e := newExporter(t, env)
+	e := newExporterWith(t, env, share.ExporterConfig{Sharing: sharing})
 	c := sharetest.Start(t, "rawconsumer", sharetest.EnvParam(sharetest.ParamPath, e.Addr()), sharetest.EnvParam(sharetest.ParamHold, 2))
 	c.Expect("CONNECTED")
 	ctx := sharetest.Ctx(t)
@@ -281,6 +300,19 @@ func lyingConsumer(t *testing.T, cmd string) {
 		s := e.Stats()
 		return s.ConsumersDropped == 1 && s.Consumers == 0
 	})
+	if sharing == share.SharingVMM {
+		if err := r.Retire(ctx); err != nil {
+			t.Fatalf("Retire while the lying consumer still maps the ring: %v", err)
+		}
+		c.Send("check")
+		c.Expect("CHECK")
+		c.Send("exit")
+		c.Wait()
+		if s := shutdown(t, e); s.Abandoned != 2 || s.Allocations != 0 {
+			t.Errorf("exporter stats %+v", s)
+		}
+		return
+	}
 	short, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
 	defer cancel()
 	if err := r.Retire(short); !errors.Is(err, context.DeadlineExceeded) {
@@ -308,12 +340,14 @@ func TestReleaseNotHeld(t *testing.T) { lyingConsumer(t, "bogus-release") }
 // voided while the connection is open, nor once it ends while the process
 // holding it lives (it still maps the memory after closing the connection
 // here); the memory is freed once that process has exited.
+//
+// Legacy IPC: with VMM nothing waits for the holder (TestClosedWhileLeased).
 func TestConnectionHandedOff(t *testing.T) {
 	env := sharetest.Setup(t)
 	mem := env.FreeMemory(t)
 	defer env.CheckMemory(t, mem)
 	ctx := sharetest.Ctx(t)
-	e := newExporter(t, env)
+	e := newExporterWith(t, env, share.ExporterConfig{Sharing: share.SharingIPC})
 	c := sharetest.Start(t, "rawconsumer", sharetest.EnvParam(sharetest.ParamPath, e.Addr()))
 	c.Expect("CONNECTED")
 	if err := e.WaitConsumers(ctx, 1); err != nil {

@@ -62,13 +62,17 @@ type regEntry struct {
 	bufID   uint64
 	allocID uint64
 	refs    int
+	// vmm and mapping are the import and mapping of a posix_fd
+	// allocation; nil for legacy IPC.
+	vmm     *driver.Allocation
+	mapping *driver.Mapping
 }
 
 // RegistryStats counts a registry's mappings.
 type RegistryStats struct {
 	Mappings int    // open now
-	Opens    uint64 // IpcOpenMemHandle calls that mapped something
-	Closes   uint64 // IpcCloseMemHandle calls
+	Opens    uint64 // IpcOpenMemHandle calls, and fd imports, that mapped something
+	Closes   uint64 // IpcCloseMemHandle calls, and unmaps of fd imports
 }
 
 // NewRegistry returns an empty registry.
@@ -159,6 +163,42 @@ func (r *Registry) acquire(dctx *driver.Context, k *regKey, allocID, allocSize u
 	return e, nil
 }
 
+// acquireFD is acquire for a posix_fd allocation (PROTOCOL.md, section
+// 4.1): k.handle is the producer's identity of the allocation, fd its
+// exported descriptor, which stays the caller's to close. A second
+// importer of the process that is offered the same allocation shares the
+// first one's mapping.
+func (r *Registry) acquireFD(dctx *driver.Context, k *regKey, fd int, allocID, allocSize uint64) (*regEntry, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if e := r.byKey[*k]; e != nil {
+		if e.allocID != allocID || e.vmm == nil {
+			return nil, fmt.Errorf("%w: the handle offered for allocation %d is mapped here for allocation %d of producer pid %d",
+				ErrStaleHandle, allocID, e.allocID, k.pid)
+		}
+		e.refs++
+		return e, nil
+	}
+	a, err := dctx.ImportFD(fd, allocSize)
+	if err != nil {
+		return nil, fmt.Errorf("share: import the file descriptor of allocation %d (%d bytes, memory on %s, importer on %s): %w",
+			allocID, allocSize, k.src, k.dst, err)
+	}
+	m, err := dctx.Map(a)
+	if err != nil {
+		if errors.Is(err, driver.ErrPeerAccessUnsupported) {
+			err = fmt.Errorf("%w: memory on %s, importer on %s: %w", ErrPeerAccessUnsupported, k.src, k.dst, err)
+		}
+		return nil, errors.Join(fmt.Errorf("share: map allocation %d (%d bytes, memory on %s, importer on %s): %w",
+			allocID, allocSize, k.src, k.dst, err), a.Close())
+	}
+	r.opens++
+	e := &regEntry{key: *k, dctx: dctx, ptr: m.Ptr(), size: allocSize, allocID: allocID, refs: 1, vmm: a, mapping: m}
+	r.byKey[*k] = e
+	r.byPtr[ptrKey{dst: k.dst, ptr: e.ptr}] = e
+	return e, nil
+}
+
 // release drops one hold on e and closes the mapping with the last.
 func (r *Registry) release(e *regEntry) error {
 	r.mu.Lock()
@@ -172,6 +212,12 @@ func (r *Registry) release(e *regEntry) error {
 	delete(r.byKey, e.key)
 	delete(r.byPtr, ptrKey{dst: e.key.dst, ptr: e.ptr})
 	r.closes++
+	if e.mapping != nil {
+		if err := errors.Join(e.mapping.Close(), e.vmm.Close()); err != nil {
+			return fmt.Errorf("share: unmap allocation %d at %#x: %w", e.allocID, uint64(e.ptr), err)
+		}
+		return nil
+	}
 	if err := e.dctx.IpcCloseMemHandle(e.ptr); err != nil {
 		return fmt.Errorf("share: close the mapping of allocation %d at %#x: %w", e.allocID, uint64(e.ptr), err)
 	}

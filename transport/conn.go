@@ -571,6 +571,19 @@ func (c *Conn) SendOffer(ctx context.Context, o *Offer) error {
 	if err := checkMeta(o.Meta); err != nil {
 		return err
 	}
+	switch o.HandleKind {
+	case HandleIPC:
+	case HandleFD:
+		if c.peer.Caps&CapFDs == 0 {
+			return fmt.Errorf("%w: %s does not accept descriptors, so not posix_fd handles", ErrNotSupported, c.desc)
+		}
+	case HandleFabric:
+		if c.peer.Caps&CapFabric == 0 {
+			return fmt.Errorf("%w: %s does not import fabric handles", ErrNotSupported, c.desc)
+		}
+	default:
+		return fmt.Errorf("transport: offer with unknown %s", o.HandleKind)
+	}
 	var dups []int
 	if len(o.FDs) > 0 {
 		if len(o.FDs) > MaxFDs {

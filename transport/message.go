@@ -40,6 +40,38 @@ const CapFDs Caps = 1 << 0
 // release events only to a producer that advertised it.
 const CapReleaseEvents Caps = 1 << 1
 
+// CapFabric says that the side, a consumer, imports fabric handles
+// (HandleFabric). Reserved: the Go implementation does not advertise it.
+const CapFabric Caps = 1 << 2
+
+// HandleKind says how an offer's allocation is shared (PROTOCOL.md,
+// section 4.1).
+type HandleKind uint8
+
+// Handle kinds.
+const (
+	// HandleIPC: Handle is a CUipcMemHandle (legacy CUDA IPC).
+	HandleIPC HandleKind = 0
+	// HandleFD: a VMM allocation exported as a POSIX file descriptor. The
+	// first offer of the allocation on a connection carries the fd; Handle
+	// is an opaque identity of the allocation, the same in every offer.
+	HandleFD HandleKind = 1
+	// HandleFabric: Handle is a CUmemFabricHandle. Reserved.
+	HandleFabric HandleKind = 2
+)
+
+func (k HandleKind) String() string {
+	switch k {
+	case HandleIPC:
+		return "cuda_ipc"
+	case HandleFD:
+		return "posix_fd"
+	case HandleFabric:
+		return "fabric"
+	}
+	return fmt.Sprintf("handle_kind(%d)", uint8(k))
+}
+
 // UUID identifies a CUDA device (CUuuid). Devices are named by UUID on the
 // wire because CUDA_VISIBLE_DEVICES renumbers ordinals per process.
 type UUID [16]byte
@@ -73,8 +105,11 @@ type Offer struct {
 	AllocID uint64
 	// Generation counts the producer's reuses of the allocation.
 	Generation uint64
-	// Handle is the CUipcMemHandle of the allocation.
+	// Handle names the allocation: for HandleIPC its CUipcMemHandle; see
+	// HandleKind for the others.
 	Handle IPCHandle
+	// HandleKind says how the allocation is shared.
+	HandleKind HandleKind
 	// AllocSize is the size of the whole allocation; Offset and Size
 	// select the lent range within it.
 	AllocSize, Offset, Size uint64

@@ -74,9 +74,11 @@ func (k Kind) String() string {
 // Field counts of version 1 messages, kind included. A receiver skips
 // elements past these (a later minor revision may append fields).
 const (
-	helloFields   = 8
-	offerFields   = 12
-	releaseFields = 2
+	helloFields = 8
+	offerFields = 12
+	// offerKindFields: an offer that names its handle kind.
+	offerKindFields = 13
+	releaseFields   = 2
 	// releaseEventFields: a release that carries an event.
 	releaseEventFields = 3
 	allocFields        = 2 // retire, closed
@@ -188,7 +190,12 @@ func appendHello(b []byte, h *hello) []byte {
 // appendOffer encodes o, which the caller has checked with o.check.
 func appendOffer(b []byte, o *Offer) []byte {
 	b, start := beginFrame(b)
-	b = appendArrayLen(b, offerFields)
+	if o.HandleKind == HandleIPC {
+		// The legacy form, which every version 1 peer reads.
+		b = appendArrayLen(b, offerFields)
+	} else {
+		b = appendArrayLen(b, offerKindFields)
+	}
 	b = append(b, byte(KindOffer))
 	b = appendUint(b, o.Seq)
 	b = appendUint(b, o.AllocID)
@@ -209,6 +216,9 @@ func appendOffer(b []byte, o *Offer) []byte {
 		b = append(b, o.Meta...)
 	}
 	b = appendUint(b, uint64(len(o.FDs)))
+	if o.HandleKind != HandleIPC {
+		b = appendUint(b, uint64(o.HandleKind))
+	}
 	return endFrame(b, start)
 }
 
@@ -625,7 +635,7 @@ func (d *decoder) decode(body []byte, m *Message) (Kind, error) {
 		want = helloFields
 		err = d.decodeHello(&r, n, kind)
 	case KindOffer:
-		want = offerFields
+		want = min(max(n, offerFields), offerKindFields)
 		err = d.decodeOffer(&r, n, &m.Offer)
 	case KindRelease:
 		want = min(max(n, releaseFields), releaseEventFields)
@@ -796,6 +806,16 @@ func (d *decoder) decodeOffer(r *reader, n int, o *Offer) (err error) {
 	}
 	d.nfds = int(nfds)
 	o.FDs = nil
+	// The optional handle kind (section 4.1); absent is legacy IPC. A kind
+	// this side does not know is the importer's to refuse: it names it.
+	o.HandleKind = HandleIPC
+	if n > offerFields {
+		k, err := r.uint("offer.handle_kind")
+		if err != nil {
+			return err
+		}
+		o.HandleKind = HandleKind(min(k, math.MaxUint8))
+	}
 	return o.checkRange()
 }
 

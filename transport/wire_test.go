@@ -82,6 +82,25 @@ func TestOfferRoundTrip(t *testing.T) {
 	if !reflect.DeepEqual(m.Offer, o) {
 		t.Fatalf("round trip without event and meta:\n got %+v\nwant %+v", m.Offer, o)
 	}
+	// A handle kind other than legacy IPC travels as a 13th element; a
+	// legacy offer keeps the 12-element form every version 1 peer reads.
+	for _, k := range []HandleKind{HandleFD, HandleFabric, 200} {
+		o.HandleKind = k
+		body := frameBody(t, appendOffer(nil, &o))
+		if body[0] != 0x90|offerKindFields {
+			t.Fatalf("%s: array header %#x, want %#x", k, body[0], 0x90|offerKindFields)
+		}
+		if _, err := d.decode(body, &m); err != nil {
+			t.Fatal(err)
+		}
+		if !reflect.DeepEqual(m.Offer, o) {
+			t.Fatalf("round trip with %s:\n got %+v\nwant %+v", k, m.Offer, o)
+		}
+	}
+	o.HandleKind = HandleIPC
+	if body := frameBody(t, appendOffer(nil, &o)); body[0] != 0x90|offerFields {
+		t.Fatalf("legacy offer: array header %#x, want %#x", body[0], 0x90|offerFields)
+	}
 }
 
 // TestStandardMsgpack proves the encoder's bytes are plain msgpack: the

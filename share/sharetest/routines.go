@@ -45,6 +45,7 @@ const (
 	ParamVerify    = "SHARE_VERIFY"        // consumer: "0" skips reading back each lease's bytes
 	ParamAfter     = "SHARE_RELEASE_AFTER" // consumer: "1" copies each lease on its stream, releases stream-ordered, then checks the copy
 	ParamProfile   = "SHARE_CPUPROFILE"    // any child: write a CPU profile to this file
+	ParamSharing   = "SHARE_SHARING"       // producer: "ipc", "vmm" or "auto" (auto)
 )
 
 // ChildEnv is what a routine gets.
@@ -145,7 +146,14 @@ type ProducerReport struct {
 // offers until stdin closes (or it is killed).
 func producer(ce *ChildEnv) error {
 	ctx := context.Background()
-	e, err := share.NewExporter(ctx, ce.Ctx, os.Getenv(ParamPath), share.ExporterConfig{Logger: ce.Log})
+	sharing := share.SharingAuto
+	if v := os.Getenv(ParamSharing); v != "" {
+		var err error
+		if sharing, err = share.ParseSharing(v); err != nil {
+			return err
+		}
+	}
+	e, err := share.NewExporter(ctx, ce.Ctx, os.Getenv(ParamPath), share.ExporterConfig{Logger: ce.Log, Sharing: sharing})
 	if err != nil {
 		return err
 	}
@@ -512,6 +520,7 @@ func rawConsumer(ce *ChildEnv) error {
 	defer cancel()
 	cfg := transport.DefaultConfig(transport.RoleConsumer)
 	cfg.Devices = []transport.UUID{transport.UUID(ce.Ctx.Device().UUID())}
+	cfg.AcceptFDs = true
 	before := socketFDs()
 	conn, err := transport.Dial(ctx, os.Getenv(ParamPath), cfg)
 	if err != nil {
@@ -520,9 +529,20 @@ func rawConsumer(ce *ChildEnv) error {
 	defer conn.Close()
 	fmt.Println("CONNECTED")
 	var p driver.DevicePtr
+	var vmm *vmmImport
 	var first transport.Offer
 	var seqs []uint64
+	var held []transport.Offer
 	var m transport.Message
+	unmap := func() error {
+		if vmm != nil {
+			return vmm.close()
+		}
+		if p != 0 {
+			return ce.Ctx.IpcCloseMemHandle(p)
+		}
+		return nil
+	}
 	for len(seqs) < Param(ParamHold, 1) {
 		if err := conn.Recv(ctx, &m); err != nil {
 			return err
@@ -532,15 +552,27 @@ func rawConsumer(ce *ChildEnv) error {
 		}
 		if len(seqs) == 0 {
 			first = m.Offer
-			first.Meta = nil
-			if p, err = ce.Ctx.IpcOpenMemHandle(driver.IpcMemHandle(m.Offer.Handle)); err != nil {
+			first.Meta, first.FDs = nil, nil
+			if m.Offer.HandleKind == transport.HandleFD {
+				if vmm, err = importFD(ce.Ctx, m.Offer); err != nil {
+					return err
+				}
+				p = vmm.m.Ptr()
+			} else if p, err = ce.Ctx.IpcOpenMemHandle(driver.IpcMemHandle(m.Offer.Handle)); err != nil {
 				return err
 			}
+		} else if m.Offer.AllocID != first.AllocID {
+			return fmt.Errorf("rawconsumer maps one allocation; offered allocation %d after %d", m.Offer.AllocID, first.AllocID)
 		}
+		closeAll(m.Offer.FDs)
 		n, _ := ParseMeta(m.Offer.Meta)
 		if err := Check(ce.Ctx, p+driver.DevicePtr(m.Offer.Offset), m.Offer.Size, n); err != nil {
 			return err
 		}
+		o := m.Offer
+		o.Meta = append([]byte(nil), o.Meta...)
+		o.FDs = nil
+		held = append(held, o)
 		seqs = append(seqs, m.Offer.Seq)
 	}
 	fmt.Printf("HELD %d\n", len(seqs))
@@ -549,10 +581,15 @@ func rawConsumer(ce *ChildEnv) error {
 		cmd := strings.TrimSpace(line)
 		switch {
 		case err != nil || cmd == "exit":
-			if p != 0 {
-				return ce.Ctx.IpcCloseMemHandle(p)
+			return unmap()
+		case cmd == "check":
+			// What it held still reads right, whatever the producer did.
+			for _, o := range held {
+				n, _ := ParseMeta(o.Meta)
+				if err = Check(ce.Ctx, p+driver.DevicePtr(o.Offset), o.Size, n); err != nil {
+					break
+				}
 			}
-			return nil
 		case cmd == "closed":
 			err = conn.SendClosed(ctx, first.AllocID)
 		case cmd == "bogus-release":
@@ -569,7 +606,7 @@ func rawConsumer(ce *ChildEnv) error {
 			}
 			// The holder maps the memory now; this process goes.
 			fmt.Printf("HANDED %d\n", pid)
-			return ce.Ctx.IpcCloseMemHandle(p)
+			return unmap()
 		default:
 			return fmt.Errorf("unknown command %q", cmd)
 		}
@@ -797,4 +834,34 @@ func freeOnGoodbyeRound(ctx context.Context, ce *ChildEnv, ln *transport.Listene
 		}
 	}
 	return nil
+}
+
+// vmmImport is a posix_fd allocation imported and mapped by hand.
+type vmmImport struct {
+	a *driver.Allocation
+	m *driver.Mapping
+}
+
+func importFD(ctx *driver.Context, o transport.Offer) (*vmmImport, error) {
+	if len(o.FDs) != 1 {
+		return nil, fmt.Errorf("first offer of posix_fd allocation %d with %d descriptors", o.AllocID, len(o.FDs))
+	}
+	a, err := ctx.ImportFD(o.FDs[0], o.AllocSize)
+	if err != nil {
+		return nil, err
+	}
+	m, err := ctx.Map(a)
+	if err != nil {
+		a.Close()
+		return nil, err
+	}
+	return &vmmImport{a: a, m: m}, nil
+}
+
+func (v *vmmImport) close() error { return errors.Join(v.m.Close(), v.a.Close()) }
+
+func closeAll(fds []int) {
+	for _, fd := range fds {
+		syscall.Close(fd)
+	}
 }
