@@ -536,6 +536,7 @@ func conformanceCases() []confCase {
 			return runOnTopology(t, e, topoPeerLimit, "open-too-many-peers", nil)
 		}})
 	cs = append(cs, pidnsCases()...)
+	cs = append(cs, asyncCases()...)
 	return append(cs, vmmCases()...)
 }
 

@@ -38,6 +38,12 @@ type Context struct {
 // Device is the context's device.
 func (c *Context) Device() *Device { return c.dev }
 
+// Handle is the raw CUcontext, for CUDA code outside this package (cgo,
+// another binding) that must run in the same context: make it current
+// there (cuCtxSetCurrent) on a locked OS thread. The context is retained
+// until Close; code outside must not release or destroy it.
+func (c *Context) Handle() uintptr { return uintptr(c.h) }
+
 func (c *Context) String() string { return fmt.Sprintf("primary context of %s", c.dev) }
 
 // enter pins the goroutine to its thread and makes c current there. Every

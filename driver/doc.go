@@ -17,6 +17,17 @@
 // against the wrong context. The cost is one extra cuCtxSetCurrent per call;
 // BenchmarkContextCall measures it.
 //
+// # CUDA work made elsewhere
+//
+// A program's own CUDA code (cgo, another binding) shares streams and
+// contexts with this package through raw handles: Stream.Handle and
+// Context.Handle give them out, and Context.WrapStream takes in a CUstream
+// made elsewhere without taking it over (its Close destroys nothing).
+// Context.CopyHtoDAsync and CopyDtoHAsync queue copies on a stream; they
+// are truly asynchronous from and to pinned memory (Context.AllocHost, a
+// HostBuffer), while with Go memory the driver is done with it when the
+// call returns.
+//
 // # Virtual memory management
 //
 // Besides legacy IPC handles (IpcGetMemHandle), memory can be shared as

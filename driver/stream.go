@@ -1,16 +1,20 @@
 package driver
 
 import (
+	"fmt"
 	"sync/atomic"
 
 	"github.com/seed743c36cf/cudashare/driver/internal/api"
 )
 
-// Stream is a CUstream of a context.
+// Stream is a CUstream of a context: one made by NewStream, which Close
+// destroys, or one made elsewhere and wrapped by WrapStream, which Close
+// leaves alone.
 type Stream struct {
-	ctx    *Context
-	h      api.Stream
-	closed atomic.Bool
+	ctx     *Context
+	h       api.Stream
+	foreign bool // not ours to destroy
+	closed  atomic.Bool
 }
 
 // handle is the CUstream; a nil *Stream is the NULL stream.
@@ -39,9 +43,47 @@ func (c *Context) NewStream(nonBlocking bool) (*Stream, error) {
 	return &Stream{ctx: c, h: h}, nil
 }
 
-// Close is cuStreamDestroy_v2; idempotent.
+// Handle is the raw CUstream, for CUDA code outside this package (cgo,
+// another binding) that queues work on the stream: a kernel that writes a
+// buffer before Offer, or reads a lease. It stays valid until Close of the
+// stream that owns it; 0 for a nil *Stream (the NULL stream).
+func (s *Stream) Handle() uintptr { return uintptr(s.handle()) }
+
+// WrapStream returns a Stream for h, a CUstream of this context made by
+// code outside this package, so that h can be used wherever this package
+// takes a *Stream (Event.Record, Lease.ReleaseAfter, an offer's stream).
+// 0 is the NULL stream.
+//
+// # Ownership
+//
+// The caller keeps h: Close of the returned Stream does not destroy it, and
+// h must stay alive until the Stream is no longer used.
+//
+// WrapStream checks h with cuStreamGetCtx and refuses, with an error
+// matching ErrInvalidHandle, a stream of another context: events recorded
+// on it would fail later, and far from the cause. The real driver cannot
+// tell a garbage handle from a stream (it may crash on one); the simulator
+// refuses any handle it did not create, with ErrInvalidHandle.
+func (c *Context) WrapStream(h uintptr) (*Stream, error) {
+	if err := c.enter(); err != nil {
+		return nil, err
+	}
+	defer c.exit()
+	var owner api.Context
+	if err := check(c.a.StreamGetCtx(api.Stream(h), &owner), "cuStreamGetCtx"); err != nil {
+		return nil, fmt.Errorf("wrap stream %#x: %w", h, err)
+	}
+	if owner != c.h {
+		return nil, fmt.Errorf("wrap stream %#x: it belongs to context %#x, not to the %s (%#x): %w",
+			h, uintptr(owner), c, uintptr(c.h), ErrInvalidHandle)
+	}
+	return &Stream{ctx: c, h: api.Stream(h), foreign: true}, nil
+}
+
+// Close is cuStreamDestroy_v2 for a stream made by NewStream; for one of
+// WrapStream it destroys nothing (the stream is its maker's). Idempotent.
 func (s *Stream) Close() error {
-	if s == nil || s.closed.Swap(true) {
+	if s == nil || s.closed.Swap(true) || s.foreign {
 		return nil
 	}
 	if err := s.ctx.enter(); err != nil {

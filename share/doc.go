@@ -15,6 +15,23 @@
 //
 // Package pool runs a set of workers over an Importer.
 //
+// # Joining your own CUDA work
+//
+// The work that writes a buffer is complete when Offer is called, or
+// OfferOptions.Stream is the stream it runs on. No Synchronize is needed
+// in the second case: the buffer's interprocess event is recorded on that
+// stream, and the consumer's stream waits for it on the GPU. A stream made
+// outside cudashare (by cgo, nvJPEG, NVDEC) is used through
+// driver.Context.WrapStream, which does not take it over; Stream.Handle and
+// Context.Handle give the raw CUstream and CUcontext to such code.
+//
+// Metadata is one msgpack value: EncodeMeta makes it from a Go value,
+// DecodeMeta and Lease.DecodeMeta read it back, and ArrayMeta and
+// Lease.Array follow the dtype and shape convention of PROTOCOL.md section
+// 4.2. Lease.CopyToHost and CopyElements copy a lease to the host without
+// reading past it. ImporterConfig.DialWait lets a consumer start before
+// its producer; DefaultSocketPath is where both meet by default.
+//
 // # What the caller guarantees
 //
 // Producer:

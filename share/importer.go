@@ -43,6 +43,11 @@ type ImporterConfig struct {
 	// messages unread (transport.Config.WriteTimeout). 0 means the
 	// transport's default.
 	WriteTimeout time.Duration
+	// DialWait is how long Dial waits for a producer to listen at the
+	// path, trying again while the socket does not exist or refuses
+	// connections (a producer that is starting or restarting), within
+	// Dial's context. 0 means one try: fail at once.
+	DialWait time.Duration
 }
 
 // MaxCredits bounds ImporterConfig.Credits.
@@ -144,7 +149,7 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 	if len(cfg.AllowedUIDs) > 0 {
 		tcfg.AllowedUIDs = cfg.AllowedUIDs
 	}
-	conn, err := transport.Dial(ctx, path, tcfg)
+	conn, err := dialWaiting(ctx, path, tcfg, cfg.DialWait)
 	if err != nil {
 		return nil, err
 	}

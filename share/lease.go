@@ -113,8 +113,15 @@ func blockCollected(st *blockState) {
 }
 
 // Ptr is the device pointer of the buffer in this process: the mapping's
-// base plus the buffer's offset in its allocation.
-func (l *Lease) Ptr() driver.DevicePtr { return l.ptr }
+// base plus the buffer's offset in its allocation. After Release (or
+// ReleaseAfter) it is 0, so that a use after release fails in the driver
+// instead of reading a buffer the producer may be writing.
+func (l *Lease) Ptr() driver.DevicePtr {
+	if l.done.Load() {
+		return 0
+	}
+	return l.ptr
+}
 
 // Size is the buffer's length in bytes.
 func (l *Lease) Size() uint64 { return l.size }

@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"math"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -16,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/seed743c36cf/cudashare/driver"
+	"github.com/seed743c36cf/cudashare/share"
 )
 
 // Exit codes, the same for the producer and the consumer, so that a script
@@ -48,15 +48,9 @@ const exitCodesHelp = `exit codes:
 `
 
 // DefaultSocket is where the producer listens and the consumer dials
-// unless -socket says otherwise: a directory of this user's only, as the
-// protocol requires ($XDG_RUNTIME_DIR/cudashare, else
-// /tmp/cudashare-<uid>), which the producer creates with mode 0700.
-func DefaultSocket() string {
-	if dir := os.Getenv("XDG_RUNTIME_DIR"); dir != "" && filepath.IsAbs(dir) {
-		return filepath.Join(dir, "cudashare", "cudashare.sock")
-	}
-	return filepath.Join(os.TempDir(), "cudashare-"+strconv.Itoa(os.Getuid()), "cudashare.sock")
-}
+// unless -socket says otherwise: share.DefaultSocketPath, a directory of
+// this user's only that the producer creates with mode 0700.
+func DefaultSocket() string { return share.DefaultSocketPath() }
 
 // ParseSize reads a byte count: a number with an optional binary suffix,
 // KiB, MiB, GiB or TiB (K, M, G, T and KB, MB, GB, TB mean the same: GPU

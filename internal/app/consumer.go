@@ -233,31 +233,20 @@ func (c *consumer) run(ctx context.Context, stdout io.Writer, showProgress bool)
 	return runErr
 }
 
-// dial connects to the producer, waiting up to -wait for it to appear.
+// dial connects to the producer, waiting up to -wait for it to appear
+// (share.ImporterConfig.DialWait).
 func (c *consumer) dial(ctx context.Context, dctx *driver.Context, stream *driver.Stream) (*share.Importer, error) {
-	start := time.Now()
-	deadline := start.Add(c.cfg.wait)
-	for tries := 1; ; tries++ {
-		imp, err := share.Dial(ctx, c.cfg.socket, dctx, share.ImporterConfig{
-			Credits: uint32(c.cfg.credits), Stream: stream, Logger: c.log, WriteTimeout: c.cfg.writeTimeout,
-		})
-		if err == nil {
-			return imp, nil
-		}
-		if ctx.Err() != nil {
-			return nil, fail(ExitFailure, ctx.Err(), "interrupted while connecting to %s", c.cfg.socket)
-		}
-		if !dialRetryable(err) || !time.Now().Before(deadline) {
-			if tries > 1 {
-				err = fmt.Errorf("%d tries over %.1fs: %w", tries, time.Since(start).Seconds(), err)
-			}
-			return nil, explainDial(c.cfg.socket, err)
-		}
-		select {
-		case <-time.After(20 * time.Millisecond):
-		case <-ctx.Done():
-		}
+	imp, err := share.Dial(ctx, c.cfg.socket, dctx, share.ImporterConfig{
+		Credits: uint32(c.cfg.credits), Stream: stream, Logger: c.log, WriteTimeout: c.cfg.writeTimeout,
+		DialWait: c.cfg.wait,
+	})
+	if err == nil {
+		return imp, nil
 	}
+	if ctx.Err() != nil {
+		return nil, fail(ExitFailure, ctx.Err(), "interrupted while connecting to %s", c.cfg.socket)
+	}
+	return nil, explainDial(c.cfg.socket, err)
 }
 
 func producerDevice(imp *share.Importer) string {

@@ -279,6 +279,10 @@ const (
 	StreamNonBlocking uint32 = 0x1
 
 	MemoryTypeDevice int32 = 2 // CU_MEMORYTYPE_DEVICE
+
+	MemHostAllocPortable      uint32 = 0x1 // CU_MEMHOSTALLOC_PORTABLE
+	MemHostAllocDeviceMap     uint32 = 0x2 // CU_MEMHOSTALLOC_DEVICEMAP
+	MemHostAllocWriteCombined uint32 = 0x4 // CU_MEMHOSTALLOC_WRITECOMBINED
 )
 
 // API is the CUDA driver API subset that cudashare uses, with C semantics.
@@ -332,11 +336,25 @@ type API interface {
 	MemcpyDtoD(dst, src DevicePtr, n uint64) Result
 	MemcpyDtoDAsync(dst, src DevicePtr, n uint64, stream Stream) Result
 	MemcpyPeer(dst DevicePtr, dstCtx Context, src DevicePtr, srcCtx Context, n uint64) Result
+	// MemcpyHtoDAsync and MemcpyDtoHAsync are the _v2 async copies. From or
+	// to pageable memory the driver is done with the host buffer when the
+	// call returns (it stages HtoD and completes DtoH first); from or to
+	// memory of MemHostAlloc it may read or write it until the stream
+	// reaches the copy.
+	MemcpyHtoDAsync(dst DevicePtr, src unsafe.Pointer, n uint64, stream Stream) Result
+	MemcpyDtoHAsync(dst unsafe.Pointer, src DevicePtr, n uint64, stream Stream) Result
+	// MemHostAlloc is cuMemHostAlloc: page-locked host memory, written to
+	// *pp. It is not Go memory; MemFreeHost frees it.
+	MemHostAlloc(pp *unsafe.Pointer, bytesize uint64, flags uint32) Result
+	MemFreeHost(p unsafe.Pointer) Result
 
 	StreamCreate(stream *Stream, flags uint32) Result
 	StreamDestroy(stream Stream) Result
 	StreamSynchronize(stream Stream) Result
 	StreamWaitEvent(stream Stream, event Event, flags uint32) Result
+	// StreamGetCtx is cuStreamGetCtx: the context of a stream (for a
+	// default stream, the current context).
+	StreamGetCtx(stream Stream, ctx *Context) Result
 
 	EventCreate(event *Event, flags uint32) Result
 	EventDestroy(event Event) Result

@@ -172,6 +172,22 @@ func (d *Driver) MemcpyPeer(dst api.DevicePtr, dstCtx api.Context, src api.Devic
 	return result(call5(d.fns[fnMemcpyPeer], uintptr(dst), uintptr(dstCtx), uintptr(src), uintptr(srcCtx), uintptr(n)))
 }
 
+func (d *Driver) MemcpyHtoDAsync(dst api.DevicePtr, src unsafe.Pointer, n uint64, stream api.Stream) api.Result {
+	return result(call4(d.fns[fnMemcpyHtoDAsync], uintptr(dst), uintptr(src), uintptr(n), uintptr(stream)))
+}
+
+func (d *Driver) MemcpyDtoHAsync(dst unsafe.Pointer, src api.DevicePtr, n uint64, stream api.Stream) api.Result {
+	return result(call4(d.fns[fnMemcpyDtoHAsync], uintptr(dst), uintptr(src), uintptr(n), uintptr(stream)))
+}
+
+func (d *Driver) MemHostAlloc(pp *unsafe.Pointer, bytesize uint64, flags uint32) api.Result {
+	return result(call3(d.fns[fnMemHostAlloc], uintptr(unsafe.Pointer(pp)), uintptr(bytesize), uintptr(flags)))
+}
+
+func (d *Driver) MemFreeHost(p unsafe.Pointer) api.Result {
+	return result(call1(d.fns[fnMemFreeHost], uintptr(p)))
+}
+
 func (d *Driver) StreamCreate(stream *api.Stream, flags uint32) api.Result {
 	return result(call2(d.fns[fnStreamCreate], uintptr(unsafe.Pointer(stream)), uintptr(flags)))
 }
@@ -186,6 +202,10 @@ func (d *Driver) StreamSynchronize(stream api.Stream) api.Result {
 
 func (d *Driver) StreamWaitEvent(stream api.Stream, event api.Event, flags uint32) api.Result {
 	return result(call3(d.fns[fnStreamWaitEvent], uintptr(stream), uintptr(event), uintptr(flags)))
+}
+
+func (d *Driver) StreamGetCtx(stream api.Stream, ctx *api.Context) api.Result {
+	return result(call2(d.fns[fnStreamGetCtx], uintptr(stream), uintptr(unsafe.Pointer(ctx))))
 }
 
 func (d *Driver) EventCreate(event *api.Event, flags uint32) api.Result {

@@ -64,10 +64,15 @@ const (
 	fnMemcpyDtoD
 	fnMemcpyDtoDAsync
 	fnMemcpyPeer
+	fnMemcpyHtoDAsync
+	fnMemcpyDtoHAsync
+	fnMemHostAlloc
+	fnMemFreeHost
 	fnStreamCreate
 	fnStreamDestroy
 	fnStreamSynchronize
 	fnStreamWaitEvent
+	fnStreamGetCtx
 	fnEventCreate
 	fnEventDestroy
 	fnEventRecord
@@ -126,8 +131,13 @@ type binding struct {
 // cuda.h 13.0 maps none of the VMM names to a versioned symbol (no #define
 // for them), so the plain names are the ones bound.
 //
-// cuMemsetD8Async, cuMemcpyPeer, cuStreamSynchronize, cuStreamWaitEvent and
-// cuEventRecord have _ptsz/_ptds variants that cuda.h selects only under
+// cuMemcpyHtoDAsync and cuMemcpyDtoHAsync bind their _v2 forms (64-bit
+// sizes) like the synchronous copies. cuMemHostAlloc, cuMemFreeHost and
+// cuStreamGetCtx have no versioned symbol in cuda.h 13.0 (cuStreamGetCtx_v2
+// is a different function, with a green-context out-parameter).
+//
+// cuMemsetD8Async, cuMemcpyPeer, cuStreamSynchronize, cuStreamWaitEvent,
+// cuStreamGetCtx, the async copies and cuEventRecord have _ptsz/_ptds variants that cuda.h selects only under
 // per-thread default stream; we bind the legacy ones. cuCtxGetDevice and
 // cuCtxSynchronize are the current-context forms (CUDA 13 adds _v2 forms that
 // take an explicit context: different functions, not replacements).
@@ -165,10 +175,15 @@ var bindings = [numFns]binding{
 	fnMemcpyDtoD:                     {method: "MemcpyDtoD", symbols: []string{"cuMemcpyDtoD_v2"}},
 	fnMemcpyDtoDAsync:                {method: "MemcpyDtoDAsync", symbols: []string{"cuMemcpyDtoDAsync_v2"}},
 	fnMemcpyPeer:                     {method: "MemcpyPeer", symbols: []string{"cuMemcpyPeer"}},
+	fnMemcpyHtoDAsync:                {method: "MemcpyHtoDAsync", symbols: []string{"cuMemcpyHtoDAsync_v2"}},
+	fnMemcpyDtoHAsync:                {method: "MemcpyDtoHAsync", symbols: []string{"cuMemcpyDtoHAsync_v2"}},
+	fnMemHostAlloc:                   {method: "MemHostAlloc", symbols: []string{"cuMemHostAlloc"}},
+	fnMemFreeHost:                    {method: "MemFreeHost", symbols: []string{"cuMemFreeHost"}},
 	fnStreamCreate:                   {method: "StreamCreate", symbols: []string{"cuStreamCreate"}},
 	fnStreamDestroy:                  {method: "StreamDestroy", symbols: []string{"cuStreamDestroy_v2"}},
 	fnStreamSynchronize:              {method: "StreamSynchronize", symbols: []string{"cuStreamSynchronize"}},
 	fnStreamWaitEvent:                {method: "StreamWaitEvent", symbols: []string{"cuStreamWaitEvent"}},
+	fnStreamGetCtx:                   {method: "StreamGetCtx", symbols: []string{"cuStreamGetCtx"}},
 	fnEventCreate:                    {method: "EventCreate", symbols: []string{"cuEventCreate"}},
 	fnEventDestroy:                   {method: "EventDestroy", symbols: []string{"cuEventDestroy_v2"}},
 	fnEventRecord:                    {method: "EventRecord", symbols: []string{"cuEventRecord"}},

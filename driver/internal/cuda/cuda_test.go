@@ -180,7 +180,7 @@ func TestBindingTable(t *testing.T) {
 	compat := []string{
 		"cuDeviceTotalMem", "cuCtxCreate", "cuCtxDestroy", "cuMemAlloc", "cuMemFree", "cuMemGetInfo",
 		"cuMemGetAddressRange", "cuMemsetD8", "cuMemcpyHtoD", "cuMemcpyDtoH", "cuMemcpyDtoD",
-		"cuMemcpyDtoDAsync", "cuStreamDestroy", "cuEventDestroy", "cuIpcOpenMemHandle",
+		"cuMemcpyDtoDAsync", "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuMemAllocHost", "cuStreamDestroy", "cuEventDestroy", "cuIpcOpenMemHandle",
 		"cuDevicePrimaryCtxRelease",
 	}
 	for _, b := range bindings {
@@ -326,6 +326,7 @@ func TestDispatch(t *testing.T) {
 		attrTarget uint64
 		attr       = unsafe.Pointer(&attrTarget)
 		vmm        api.MemHandle
+		hostPtr    unsafe.Pointer
 		prop       = api.MemAllocationProp{Type: api.MemAllocationTypePinned, RequestedHandleTypes: api.MemHandleTypePosixFileDescriptor,
 			Location: api.MemLocation{Type: api.MemLocationTypeDevice, ID: 5}, AllocFlags: api.MemAllocFlags{GPUDirectRDMACapable: 1}}
 		access = [2]api.MemAccessDesc{{}, {Location: api.MemLocation{Type: api.MemLocationTypeDevice, ID: -2}, Flags: api.MemAccessProtReadWrite}}
@@ -408,10 +409,28 @@ func TestDispatch(t *testing.T) {
 			"cuMemcpyDtoDAsync_v2", []uint64{uint64(dpB), uint64(dpA), bigLen + 6, uint64(strm)}, nil},
 		{"MemcpyPeer", func() api.Result { return f.MemcpyPeer(dpA, ctxA, dpB, ctxB, bigLen+7) },
 			"cuMemcpyPeer", []uint64{uint64(dpA), uint64(ctxA), uint64(dpB), uint64(ctxB), bigLen + 7}, nil},
+		{"MemcpyHtoDAsync", func() api.Result { return f.MemcpyHtoDAsync(dpA, unsafe.Pointer(&host[2]), bigLen+12, strm) },
+			"cuMemcpyHtoDAsync_v2", []uint64{uint64(dpA), ptr(&host[2]), bigLen + 12, uint64(strm)}, nil},
+		{"MemcpyDtoHAsync", func() api.Result { return f.MemcpyDtoHAsync(unsafe.Pointer(&host[3]), dpB, bigLen+13, strm) },
+			"cuMemcpyDtoHAsync_v2", []uint64{ptr(&host[3]), uint64(dpB), bigLen + 13, uint64(strm)}, nil},
+		{"MemHostAlloc", func() api.Result { return f.MemHostAlloc(&hostPtr, bigLen+14, api.MemHostAllocPortable) },
+			"cuMemHostAlloc", []uint64{ptr(&hostPtr), bigLen + 14, 1},
+			func(t *testing.T) {
+				if uintptr(hostPtr) != 0x7e00beef0000 {
+					t.Errorf("host pointer = %p", hostPtr)
+				}
+			}},
+		{"MemFreeHost", func() api.Result { return f.MemFreeHost(unsafe.Pointer(&host[4])) }, "cuMemFreeHost", []uint64{ptr(&host[4])}, nil},
 		{"StreamCreate", func() api.Result { return f.StreamCreate(&stream, api.StreamNonBlocking) }, "cuStreamCreate", []uint64{ptr(&stream), 1}, nil},
 		{"StreamDestroy", func() api.Result { return f.StreamDestroy(strm) }, "cuStreamDestroy_v2", []uint64{uint64(strm)}, nil},
 		{"StreamSynchronize", func() api.Result { return f.StreamSynchronize(0) }, "cuStreamSynchronize", []uint64{0}, nil},
 		{"StreamWaitEvent", func() api.Result { return f.StreamWaitEvent(strm, evA, 0x8000_0000) }, "cuStreamWaitEvent", []uint64{uint64(strm), uint64(evA), 0x8000_0000}, nil},
+		{"StreamGetCtx", func() api.Result { return f.StreamGetCtx(strm, &ctx) }, "cuStreamGetCtx", []uint64{uint64(strm), ptr(&ctx)},
+			func(t *testing.T) {
+				if ctx != 0x7f00c0ffee00 {
+					t.Errorf("ctx = %#x", ctx)
+				}
+			}},
 		{"EventCreate", func() api.Result { return f.EventCreate(&event, api.EventInterprocess|api.EventDisableTiming) }, "cuEventCreate", []uint64{ptr(&event), 6}, nil},
 		{"EventDestroy", func() api.Result { return f.EventDestroy(evB) }, "cuEventDestroy_v2", []uint64{uint64(evB)}, nil},
 		{"EventRecord", func() api.Result { return f.EventRecord(evA, strm) }, "cuEventRecord", []uint64{uint64(evA), uint64(strm)}, nil},

@@ -71,6 +71,8 @@ type Driver struct {
 
 	violMu  sync.Mutex
 	violErr error // first failure to record a violation
+
+	host hostState // page-locked host memory (cuMemHostAlloc)
 }
 
 // ctxState is a context. Its maps are guarded by Driver.mu.

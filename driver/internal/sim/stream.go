@@ -250,3 +250,23 @@ func (d *Driver) EventElapsedTime(ms *float32, start, end api.Event) api.Result 
 	*ms = float32(t1-t0) / 1e6
 	return api.Success
 }
+
+// StreamGetCtx implements api.API: the context a stream was created in; for
+// a default stream, the current context. A handle the sim did not create,
+// or one destroyed, is CUDA_ERROR_INVALID_HANDLE: this is what lets the
+// safe layer refuse a foreign handle that is no stream (the real driver
+// cannot tell, and may crash on one).
+func (d *Driver) StreamGetCtx(stream api.Stream, ctx *api.Context) api.Result {
+	if r := d.ready(); r != api.Success {
+		return r
+	}
+	if ctx == nil {
+		return api.ErrorInvalidValue
+	}
+	c, r := d.streamContext(stream)
+	if r != api.Success {
+		return r
+	}
+	*ctx = c.h
+	return api.Success
+}

@@ -131,10 +131,21 @@ CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstre
 CUresult cuMemcpyPeer(CUdeviceptr dst, CUcontext dctx, CUdeviceptr src, CUcontext sctx, size_t n) {
 	REC(U(dst), P(dctx), U(src), P(sctx), U(n));
 }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, CUstream s) { REC(U(dst), P(src), U(n), P(s)); }
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, CUstream s) { REC(P(dst), U(src), U(n), P(s)); }
+CUresult cuMemHostAlloc(void **pp, size_t n, unsigned int flags) {
+	if (pp) *pp = (void *)(uintptr_t)0x7e00beef0000ull;
+	REC(P(pp), U(n), U(flags));
+}
+CUresult cuMemFreeHost(void *p) { REC(P(p)); }
 CUresult cuStreamCreate(CUstream *s, unsigned int flags) { REC(P(s), U(flags)); }
 CUresult cuStreamDestroy_v2(CUstream s) { REC(P(s)); }
 CUresult cuStreamSynchronize(CUstream s) { REC(P(s)); }
 CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags) { REC(P(s), P(e), U(flags)); }
+CUresult cuStreamGetCtx(CUstream s, CUcontext *c) {
+	if (c) *c = (CUcontext)(uintptr_t)0x7f00c0ffee00ull;
+	REC(P(s), P(c));
+}
 CUresult cuEventCreate(CUevent *e, unsigned int flags) { REC(P(e), U(flags)); }
 CUresult cuEventDestroy_v2(CUevent e) { REC(P(e)); }
 CUresult cuEventRecord(CUevent e, CUstream s) { REC(P(e), P(s)); }
@@ -202,6 +213,7 @@ CUresult cuMemFree(unsigned int p) { REC(U(p)); }
 CUresult cuMemGetInfo(unsigned int *free, unsigned int *total) { REC(P(free), P(total)); }
 CUresult cuDeviceTotalMem(unsigned int *b, CUdevice dev) { REC(P(b), I(dev)); }
 CUresult cuMemcpyHtoD(unsigned int dst, const void *src, unsigned int n) { REC(U(dst), P(src), U(n)); }
+CUresult cuMemcpyHtoDAsync(unsigned int dst, const void *src, unsigned int n, CUstream s) { REC(U(dst), P(src), U(n), P(s)); }
 CUresult cuCtxCreate(CUcontext *c, unsigned int flags, CUdevice dev) { REC(P(c), U(flags), I(dev)); }
 CUresult cuIpcOpenMemHandle(CUdeviceptr *p, CUipcMemHandle h, unsigned int flags) {
 	memcpy(last_handle, h.reserved, sizeof last_handle);
