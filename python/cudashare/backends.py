@@ -63,7 +63,11 @@ class SimBackend:
             return Mapping(offer.alloc_id, offer.handle_kind, None, offer.alloc_size, offer.handle)
         fd = fds[0]
         try:
-            hdr = os.pread(fd, 64, 0)
+            try:
+                hdr = os.pread(fd, 64, 0)
+            except OSError as e:
+                raise DriverError("cuMemImportFromShareableHandle (sim)", 999,
+                                  "the descriptor is not a simulator VMM allocation: %s" % e)
             if len(hdr) < 24 or hdr[:8] != SIM_MAGIC:
                 raise DriverError("cuMemImportFromShareableHandle (sim)", 999,
                                   "the descriptor is not a simulator VMM allocation")
