@@ -208,18 +208,19 @@ class Consumer:
         poller.register(self._sock.fileno(), select.POLLIN)
         try:
             while not self._stop:
-                if not poller.poll(200):
-                    self._rd.check_partial(time.monotonic())
-                    continue
-                if not self._rd.fill(accept_fds=True):
-                    self._on_eof()
-                    return
+                # Frames first: the handshake's reads may have buffered
+                # whole messages that no later read will announce.
                 while True:
                     body = self._rd.next_frame()
                     if body is None:
                         break
                     self._handle(wire.decode(body))
                 self._rd.check_partial(time.monotonic())
+                if not poller.poll(200):
+                    continue
+                if not self._rd.fill(accept_fds=True):
+                    self._on_eof()
+                    return
         except ProtocolError as e:
             self._protocol_fail(e)
         except CudashareError as e:
