@@ -4,6 +4,7 @@ package transport
 
 import (
 	"errors"
+	"io"
 	"testing"
 )
 
@@ -97,4 +98,33 @@ func TestSendGoodbyeLingers(t *testing.T) {
 		break
 	}
 	cons.Close()
+}
+
+// TestSendGoodbyeHalfCloses proves what PROTOCOL.md section 4 says of
+// goodbye: its sender stops writing and half-closes, so a peer that has not
+// closed its own side reads the goodbye and then end of stream, while the
+// sender can still read what the peer sends until the peer closes. (Before
+// the half-close, a peer waiting for end of stream and a sender waiting for
+// the peer to close waited for each other until a timeout.)
+func TestSendGoodbyeHalfCloses(t *testing.T) {
+	prod, raw := rawConsumer(t, testConfig(RoleProducer, nil), 4)
+	ctx := testCtx(t)
+	if err := prod.SendGoodbye(ctx, "shut down"); err != nil {
+		t.Fatal(err)
+	}
+	m, err := raw.recv()
+	if err != nil || m[0] != uint64(KindGoodbye) || m[1] != "shut down" {
+		t.Fatalf("raw peer's first read: %v, %v; want the goodbye", m, err)
+	}
+	// The raw peer has not closed anything: end of stream can only come
+	// from the producer's half-close.
+	if m, err := raw.recv(); !errors.Is(err, io.EOF) {
+		t.Fatalf("raw peer's read after the goodbye: %v, %v; want end of stream", m, err)
+	}
+	// The producer still reads.
+	raw.sendMsg(KindGoodbye, "bye too")
+	var msg Message
+	if err := prod.Recv(ctx, &msg); err != nil || msg.Kind != KindGoodbye || msg.Reason != "bye too" {
+		t.Fatalf("producer's Recv after its goodbye: %v %v %q, want the peer's goodbye", err, msg.Kind, msg.Reason)
+	}
 }

@@ -467,6 +467,11 @@ func (c *Conn) admit(kind Kind, m *Message) error {
 	switch kind {
 	case KindOffer:
 		nfds := c.dec.nfds
+		if nfds > 0 && !c.cfg.AcceptFDs {
+			// Descriptors to a side that did not ask for them, whether
+			// or not any came: PROTOCOL.md section 5.
+			return fmt.Errorf("%w: offer declares %d descriptors, and this side did not advertise CapFDs", ErrUnexpectedMessage, nfds)
+		}
 		if nfds > len(c.fdq) {
 			return malformed("offer declares %d descriptors, %d arrived", nfds, len(c.fdq))
 		}
@@ -780,13 +785,18 @@ func (c *Conn) Shutdown(ctx context.Context, reason string) error {
 	return err
 }
 
-// SendGoodbye says goodbye with reason and waits, within ctx, until it is
-// written, but leaves the connection open; Close it afterwards. Shutdown
-// closes at once: the peer still reads the goodbye, because a write that
-// fails after the peer has closed leaves the socket open for Recv to
-// drain (TestShutdownWhilePeerWrites). SendGoodbye is for a side that
-// wants to linger until the peer has closed (its Recv returns) or a
-// timeout passes, as the share package's importer does.
+// SendGoodbye says goodbye with reason, waits, within ctx, until it is
+// written, and then half-closes the connection (shutdown(SHUT_WR)): the
+// peer reads the goodbye and then end of stream, as PROTOCOL.md section 4
+// says, while this side can still Recv until the peer closes; Close it
+// afterwards. Shutdown closes at once: the peer still reads the goodbye,
+// because a write that fails after the peer has closed leaves the socket
+// open for Recv to drain (TestShutdownWhilePeerWrites). SendGoodbye is for
+// a side that wants to linger until the peer has closed (its Recv returns)
+// or a timeout passes, as the share package's importer and exporter do.
+// Without the half-close, a peer that waits for end of stream after the
+// goodbye, as the page tells it to, and this side, waiting for the peer to
+// close, would wait for each other until the timeout.
 func (c *Conn) SendGoodbye(ctx context.Context, reason string) error {
 	if err := c.lockRoom(ctx, false); err != nil {
 		return err
@@ -795,7 +805,14 @@ func (c *Conn) SendGoodbye(ctx context.Context, reason string) error {
 	c.out = appendGoodbye(c.out, reason)
 	c.saidBye = true
 	c.unlockAndKick(off)
-	return c.Flush(ctx)
+	if err := c.Flush(ctx); err != nil {
+		return err
+	}
+	// Nothing is written after the goodbye (saidBye refuses it), so the
+	// write side can go. A peer that has closed already makes this fail
+	// with ENOTCONN, which changes nothing.
+	_ = c.nc.CloseWrite()
+	return nil
 }
 
 // lockRoom locks mu once the output queue has room and, for an offer, a

@@ -306,6 +306,9 @@ func TestDescriptorAbuse(t *testing.T) {
 		{"not advertised", false, func(p *rawPeer) {
 			p.sendFDs(mustMarshal(offerElems(1, 1)), mfd())
 		}, ErrUnexpectedMessage},
+		{"declared to a side without fds, none sent", false, func(p *rawPeer) {
+			p.sendMsg(offerElems(1, 1)...)
+		}, ErrUnexpectedMessage},
 		{"not claimed", true, func(p *rawPeer) {
 			p.sendFDs(mustMarshal([]any{KindRetire, 1}), mfd(), mfd())
 		}, ErrMalformed},

@@ -342,3 +342,40 @@ func TestUUIDString(t *testing.T) {
 		t.Fatalf("got %s, want %s", got, want)
 	}
 }
+
+// TestNegativeIntegers proves the rule of PROTOCOL.md section 2.1 as the
+// decoder applies it: a negative value in a protocol integer field is
+// malformed, while free-form values (an offer's meta, extra elements) may
+// hold negative integers in any encoding, since they are the application's.
+func TestNegativeIntegers(t *testing.T) {
+	var d decoder
+	var m Message
+	// Negative fixint, int8, int16, int32 and int64 in meta.
+	meta := []byte{0x85,
+		0xa1, 'a', 0xff,
+		0xa1, 'b', 0xd0, 0x80,
+		0xa1, 'c', 0xd1, 0x80, 0x00,
+		0xa1, 'd', 0xd2, 0x80, 0, 0, 0,
+		0xa1, 'e', 0xd3, 0x80, 0, 0, 0, 0, 0, 0, 0}
+	if err := checkMeta(meta); err != nil {
+		t.Fatalf("meta with negative integers: %v, want accepted", err)
+	}
+	o := testOffer()
+	o.Meta = meta
+	body := frameBody(t, appendOffer(nil, &o))
+	if kind, err := d.decode(body, &m); err != nil || kind != KindOffer || !bytes.Equal(m.Offer.Meta, meta) {
+		t.Fatalf("offer with negative integers in meta: kind %v err %v", kind, err)
+	}
+	// In an extra element too.
+	body = mustMarshal([]any{int(KindRetire), 9, -5, map[string]any{"x": -1 << 40}})
+	if kind, err := d.decode(body, &m); err != nil || kind != KindRetire || m.AllocID != 9 {
+		t.Fatalf("extra elements with negative integers: kind %v err %v", kind, err)
+	}
+	// A protocol field may not be negative, however encoded.
+	for _, neg := range [][]byte{{0xff}, {0xd0, 0xff}, {0xd3, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}} {
+		body := append([]byte{0x92, byte(KindRetire)}, neg...)
+		if _, err := d.decode(body, &m); !errors.Is(err, ErrMalformed) {
+			t.Errorf("retire with alloc_id % x: %v, want ErrMalformed", neg, err)
+		}
+	}
+}

@@ -1,6 +1,7 @@
 package app
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/seed743c36cf/cudashare/share"
 	"github.com/seed743c36cf/cudashare/transport"
+	"github.com/vmihailenco/msgpack/v5"
 )
 
 func TestParseSize(t *testing.T) {
@@ -79,13 +81,53 @@ func TestHistogram(t *testing.T) {
 	}
 }
 
+// TestMeta proves the example consumer reads the producer's metadata (the
+// map of PROTOCOL.md section 4.2) in whatever integer encoding a msgpack
+// library chose, the smallest included, and refuses what lacks it.
 func TestMeta(t *testing.T) {
-	b := appendMeta(nil, 123456789, 987654321)
-	seq, sent, ok := parseMeta(b)
-	if !ok || seq != 123456789 || sent != 987654321 || len(b) != metaSize {
-		t.Fatalf("round trip: %d %d %v (%d bytes)", seq, sent, ok, len(b))
+	b := appendMeta(nil, 123456789, 987654321, 1<<20)
+	var generic map[string]any
+	if err := msgpack.Unmarshal(b, &generic); err != nil {
+		t.Fatalf("the producer's metadata is not msgpack: %v", err)
 	}
-	for _, bad := range [][]byte{nil, b[:metaSize-1], append(slices.Clone(b), 0), {0x91, 0xcf, 0, 0, 0, 0, 0, 0, 0, 0, 0xcf, 0, 0, 0, 0, 0, 0, 0, 0}} {
+	if generic["dtype"] != "uint8" || fmt.Sprint(generic["shape"]) != "[1048576]" {
+		t.Fatalf("the producer's metadata: %v, want dtype uint8 and shape [1048576]", generic)
+	}
+	if seq, sent, ok := parseMeta(b); !ok || seq != 123456789 || sent != 987654321 {
+		t.Fatalf("round trip: %d %d %v", seq, sent, ok)
+	}
+	// The same values in every msgpack integer encoding a sender may use.
+	enc := func(code byte, v uint64) []byte {
+		switch code {
+		case 0: // positive fixint
+			return []byte{byte(v)}
+		case 0xcc, 0xd0:
+			return []byte{code, byte(v)}
+		case 0xcd, 0xd1:
+			return binary.BigEndian.AppendUint16([]byte{code}, uint16(v))
+		case 0xce, 0xd2:
+			return binary.BigEndian.AppendUint32([]byte{code}, uint32(v))
+		}
+		return binary.BigEndian.AppendUint64([]byte{code}, v)
+	}
+	for _, code := range []byte{0, 0xcc, 0xcd, 0xce, 0xcf, 0xd0, 0xd1, 0xd2, 0xd3} {
+		m := []byte{0x83, 0xa1, 't'}
+		m = append(m, enc(code, 99)...)
+		m = append(m, 0xa5, 'o', 't', 'h', 'e', 'r', 0x92, 0xc0, 0xa1, 'x') // a key of the application's, skipped
+		m = append(append(m, 0xa5, 'b', 'a', 't', 'c', 'h'), enc(code, 7)...)
+		if seq, sent, ok := parseMeta(m); !ok || seq != 7 || sent != 99 {
+			t.Errorf("integers as 0x%02x: %d %d %v, want 7 99 true (%x)", code, seq, sent, ok, m)
+		}
+	}
+	for _, bad := range [][]byte{
+		nil,
+		b[:len(b)-1],
+		append(slices.Clone(b), 0),
+		{0x92, 0x07, 0x63}, // the old array layout
+		{0x82, 0xa5, 'b', 'a', 't', 'c', 'h', 0x07},                  // truncated
+		{0x81, 0xa5, 'b', 'a', 't', 'c', 'h', 0x07},                  // no "t"
+		{0x82, 0xa5, 'b', 'a', 't', 'c', 'h', 0xff, 0xa1, 't', 0x01}, // negative batch
+	} {
 		if _, _, ok := parseMeta(bad); ok {
 			t.Errorf("parseMeta(%x) accepted", bad)
 		}

@@ -272,7 +272,7 @@ func (p *producer) serve(ctx context.Context, exp *share.Exporter, dctx *driver.
 	}
 	defer cancel()
 
-	meta := make([]byte, 0, metaSize)
+	meta := make([]byte, 0, 64)
 	start := time.Now()
 	end := start
 	p.rep.End = "count"
@@ -289,7 +289,7 @@ func (p *producer) serve(ctx context.Context, exp *share.Exporter, dctx *driver.
 			}
 			return fmt.Errorf("take a buffer for batch %d: %w", seq, err)
 		}
-		opts := share.OfferOptions{Meta: appendMeta(meta[:0], seq, monoNow())}
+		opts := share.OfferOptions{Meta: appendMeta(meta[:0], seq, monoNow(), b.Size())}
 		if p.cfg.fill {
 			if err := p.fill(dctx, stream, b, seq); err != nil {
 				b.Free()

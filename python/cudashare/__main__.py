@@ -1,0 +1,161 @@
+"""python -m cudashare consume --socket PATH: the Go example consumer's
+loop in Python, printing the same one-line JSON report (ConsumerReport in
+internal/app/report.go), so the benchmark and the integration suite can run
+either."""
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+from . import connect
+from .errors import Closed, NotSupported, ProducerGone, ProtocolError
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_DRIVER, EXIT_NO_PRODUCER, EXIT_PRODUCER_GONE = 0, 1, 2, 3, 4, 5
+
+
+def _default_socket():
+    return "/tmp/cudashare-%d/cudashare.sock" % os.getuid()
+
+
+def pattern_byte(batch):
+    """The byte of every position of the example producer's batch n
+    (PROTOCOL.md §4.2)."""
+    return batch % 251 + 1
+
+
+def _uuid(b):
+    if not b:
+        return ""
+    h = b.hex()
+    return "GPU-%s-%s-%s-%s-%s" % (h[:8], h[8:12], h[12:16], h[16:20], h[20:])
+
+
+def consume(args, out):
+    rep = {"role": "consumer", "impl": "cudashare-python", "driver": "", "driver_reason": "", "device": args.device,
+           "device_uuid": "", "producer_device": "", "same_device": False, "socket": args.socket,
+           "workers": args.workers, "credits": args.credits, "verify": args.verify, "handoffs": 0,
+           "seconds": 0.0, "handoffs_per_s": 0.0, "p50_us": 0.0, "p99_us": 0.0, "max_us": 0.0, "bytes": 0,
+           "size": 0, "verified": 0, "verify_errors": 0, "errors": 0, "buffers_seen": 0, "mappings": 0,
+           "end": "", "exit": 0}
+    lat = []
+    seen = set()
+    lock = threading.Lock()
+    times = [None, None]
+    try:
+        c = connect(args.socket, device=args.device, credits=args.credits, backend=args.driver, wait=args.wait)
+    except (FileNotFoundError, ConnectionRefusedError) as e:
+        rep.update(end="error", error="no producer at %s: %s" % (args.socket, e), exit=EXIT_NO_PRODUCER)
+        return rep
+    except NotSupported as e:
+        rep.update(end="error", error=str(e), exit=EXIT_NO_DRIVER)
+        return rep
+    rep["driver"], rep["driver_reason"] = c.backend, c.backend_reason
+    rep["device_uuid"] = _uuid(c.device_uuid)
+    if c.producer["devices"]:
+        rep["producer_device"] = _uuid(c.producer["devices"][0])
+    rep["same_device"] = bool(rep["device_uuid"]) and rep["device_uuid"] == rep["producer_device"]
+
+    def handle(lease):
+        now = time.monotonic_ns()
+        with lock:
+            if times[0] is None:
+                times[0] = now
+        m = lease.meta if isinstance(lease.meta, dict) else {}
+        batch, sent = m.get("batch"), m.get("t")
+        ok = isinstance(batch, int) and isinstance(sent, int)
+        bad = 0
+        err = 0
+        verified = 0
+        if not ok:
+            bad = 1
+        elif args.verify != "none":
+            want = pattern_byte(batch)
+            try:
+                if args.verify == "byte":
+                    got = lease.read(1)
+                else:
+                    got = lease.read()
+                if got.count(want) == len(got):
+                    verified = 1
+                else:
+                    bad = 1
+            except NotSupported:
+                err = 1
+        with lock:
+            if ok:
+                lat.append(now - sent)
+            rep["bytes"] += lease.size
+            rep["size"] = lease.size
+            rep["verified"] += verified
+            rep["verify_errors"] += bad
+            rep["errors"] += err
+            if len(seen) < 4096:
+                seen.add((lease.alloc_id, lease.offset))
+        lease.release()
+        with lock:
+            rep["handoffs"] += 1
+            times[1] = time.monotonic_ns()
+
+    err = None
+    try:
+        c.run(handle, workers=args.workers, count=args.batches)
+        rep["end"] = "count" if args.batches and rep["handoffs"] >= args.batches else "producer said goodbye"
+    except Closed:
+        rep["end"] = "producer said goodbye"
+    except ProducerGone as e:
+        rep["end"], err = "producer vanished", (str(e), EXIT_PRODUCER_GONE)
+    except ProtocolError as e:
+        rep["end"] = "dropped" if e.remote else "protocol error"
+        err = (str(e), EXIT_FAILURE)
+    except KeyboardInterrupt:
+        rep["end"] = "signal"
+    finally:
+        st = c.stats()
+        c.close()
+    rep["mappings"] = st.get("mappings", 0)
+    rep["buffers_seen"] = len(seen)
+    if times[0] is not None and times[1] is not None and times[1] > times[0]:
+        secs = (times[1] - times[0]) / 1e9
+        rep["seconds"] = round(secs, 3)
+        if rep["handoffs"] > 1:
+            rep["handoffs_per_s"] = round(rep["handoffs"] / secs, 1)
+    if lat:
+        lat.sort()
+        rep["p50_us"] = round(lat[len(lat) // 2] / 1e3, 1)
+        rep["p99_us"] = round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] / 1e3, 1)
+        rep["max_us"] = round(lat[-1] / 1e3, 1)
+    if err is None and (rep["verify_errors"] or rep["errors"]):
+        err = ("%d batch(es) failed verification and %d could not be read back, of %d"
+               % (rep["verify_errors"], rep["errors"], rep["handoffs"]), EXIT_FAILURE)
+    if err:
+        rep["error"], rep["exit"] = err
+    return rep
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m cudashare")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    cp = sub.add_parser("consume", help="consume a producer's batches and print a JSON report")
+    cp.add_argument("--socket", default=_default_socket())
+    cp.add_argument("--batches", type=int, default=0, help="stop after this many (0: until the producer ends)")
+    cp.add_argument("--verify", choices=["none", "byte", "full"], default="byte")
+    cp.add_argument("--credits", type=int, default=8)
+    cp.add_argument("--workers", type=int, default=2)
+    cp.add_argument("--device", type=int, default=0)
+    cp.add_argument("--driver", choices=["auto", "cuda", "sim"], default="auto")
+    cp.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the socket to appear")
+    a = p.parse_args(argv)
+    if a.batches < 0 or a.workers < 1 or not 1 <= a.credits <= 1048576:
+        p.error("--batches >= 0, --workers >= 1, --credits 1 to 1048576")
+    rep = consume(a, sys.stdout)
+    sys.stdout.write(json.dumps(rep, separators=(",", ":")) + "\n")
+    if rep.get("error"):
+        sys.stderr.write("consumer: %s\n" % rep["error"])
+    return rep["exit"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

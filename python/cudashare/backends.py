@@ -1,0 +1,364 @@
+"""Where a lease's memory comes from: the real CUDA driver through ctypes,
+or the simulator's memfds.
+
+A backend imports one allocation per alloc_id (``open``), closes it
+(``close``), and handles the producer's events and this consumer's
+release events. The consumer picks one at connect time: the real driver
+when libcuda.so.1 loads and the producer's device is one of its devices,
+the simulator otherwise (the Go side runs its simulated driver on machines
+without a GPU, and the simulator's devices have random UUIDs no real GPU
+has). ``CUDASHARE_DRIVER=sim|cuda`` or ``connect(backend=...)`` forces it.
+"""
+
+import ctypes
+import mmap
+import os
+import struct
+import threading
+
+from . import wire
+from .errors import DriverError, NotSupported
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class Mapping:
+    """One imported allocation. ``ptr`` is the address of its byte 0: a
+    device pointer (cuda), a host address (sim, posix_fd), or None where
+    the data is not reachable (sim, cuda_ipc)."""
+    __slots__ = ("alloc_id", "kind", "ptr", "size", "handle", "extra", "closed")
+
+    def __init__(self, alloc_id, kind, ptr, size, handle, extra=None):
+        self.alloc_id, self.kind, self.ptr, self.size = alloc_id, kind, ptr, size
+        self.handle, self.extra, self.closed = handle, extra, False
+
+
+# --- the simulator ---------------------------------------------------------
+
+SIM_HEADER = 4096
+SIM_MAGIC = b"CSIMVMM1"
+
+
+class SimBackend:
+    """The simulator's representation (driver/internal/sim/doc.go, "VMM
+    allocations"): a posix_fd allocation is a memfd with a 4096-byte header
+    and then the memory, which any process maps MAP_SHARED. Legacy IPC
+    handles name state only the Go simulator reads: such leases work as far
+    as the protocol goes, and their data raises NotSupported."""
+
+    name = "sim"
+    on_host = True
+
+    def __init__(self, device=0, reason="selected sim"):
+        self.device = device
+        self.reason = reason
+        self.device_uuid = None
+
+    def open(self, offer, fds):
+        if offer.handle_kind == wire.HANDLE_CUDA_IPC:
+            return Mapping(offer.alloc_id, offer.handle_kind, None, offer.alloc_size, offer.handle)
+        fd = fds[0]
+        try:
+            try:
+                hdr = os.pread(fd, 64, 0)
+            except OSError as e:
+                raise DriverError("cuMemImportFromShareableHandle (sim)", 999,
+                                  "the descriptor is not a simulator VMM allocation: %s" % e)
+            if len(hdr) < 24 or hdr[:8] != SIM_MAGIC:
+                raise DriverError("cuMemImportFromShareableHandle (sim)", 999,
+                                  "the descriptor is not a simulator VMM allocation")
+            version, _dev, size = struct.unpack_from("<IIQ", hdr, 8)
+            if version != 1 or size < offer.alloc_size:
+                raise DriverError("cuMemImportFromShareableHandle (sim)", 999,
+                                  "header version %d, %d bytes for an allocation of %d" % (version, size, offer.alloc_size))
+            if os.fstat(fd).st_size < SIM_HEADER + size:
+                raise DriverError("cuMemImportFromShareableHandle (sim)", 999, "memfd shorter than its header says")
+            p = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, SIM_HEADER)
+            if p is None or p == _MAP_FAILED:
+                e = ctypes.get_errno()
+                raise DriverError("mmap (sim)", e, os.strerror(e))
+        finally:
+            os.close(fd)  # the mapping holds the memory
+        return Mapping(offer.alloc_id, offer.handle_kind, p, size, offer.handle)
+
+    def close(self, m):
+        if m.closed:
+            return
+        m.closed = True
+        if m.ptr is not None:
+            _libc.munmap(m.ptr, m.size)
+
+    # Events: the simulator's are the Go process's; there is nothing to wait on
+    # from here, and its memory is coherent.
+    def open_event(self, handle):
+        return None
+
+    def wait_event(self, ev, stream):
+        pass
+
+    def destroy_event(self, ev):
+        pass
+
+    def new_release_event(self):
+        raise NotSupported("a stream-ordered release needs the CUDA driver; the sim backend releases after the host is done")
+
+    def sync_event(self, ev):
+        pass
+
+    def stream_sync(self, stream):
+        pass
+
+    def copy_to_host(self, ptr, n):
+        return ctypes.string_at(ptr, n)
+
+    def shutdown(self):
+        pass
+
+
+# --- the real driver -------------------------------------------------------
+
+class _Handle64(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class _UUID(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_char * 16)]
+
+
+class _AccessDesc(ctypes.Structure):
+    # CUmemAccessDesc: CUmemLocation {int type; int id}, then the flags.
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int), ("flags", ctypes.c_int)]
+
+
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+CU_MEM_LOCATION_TYPE_DEVICE = 1
+CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+CU_EVENT_DISABLE_TIMING = 0x2
+CU_EVENT_INTERPROCESS = 0x4
+
+_P = ctypes.c_void_p
+_U64 = ctypes.c_uint64
+_SIGS = {
+    "cuInit": [ctypes.c_uint],
+    "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+    "cuDeviceGetCount": [ctypes.POINTER(ctypes.c_int)],
+    "cuDeviceGetUuid": [ctypes.POINTER(_UUID), ctypes.c_int],
+    "cuDevicePrimaryCtxRetain": [ctypes.POINTER(_P), ctypes.c_int],
+    "cuDevicePrimaryCtxRelease_v2": [ctypes.c_int],
+    "cuCtxSetCurrent": [_P],
+    "cuIpcOpenMemHandle_v2": [ctypes.POINTER(_U64), _Handle64, ctypes.c_uint],
+    "cuIpcCloseMemHandle": [_U64],
+    "cuIpcOpenEventHandle": [ctypes.POINTER(_P), _Handle64],
+    "cuIpcGetEventHandle": [ctypes.POINTER(_Handle64), _P],
+    "cuEventCreate": [ctypes.POINTER(_P), ctypes.c_uint],
+    "cuEventRecord": [_P, _P],
+    "cuEventSynchronize": [_P],
+    "cuEventDestroy_v2": [_P],
+    "cuStreamWaitEvent": [_P, _P, ctypes.c_uint],
+    "cuStreamSynchronize": [_P],
+    "cuMemcpyDtoH_v2": [_P, _U64, ctypes.c_size_t],
+    "cuMemImportFromShareableHandle": [ctypes.POINTER(_U64), _P, ctypes.c_int],
+    "cuMemAddressReserve": [ctypes.POINTER(_U64), ctypes.c_size_t, ctypes.c_size_t, _U64, ctypes.c_ulonglong],
+    "cuMemMap": [_U64, ctypes.c_size_t, ctypes.c_size_t, _U64, ctypes.c_ulonglong],
+    "cuMemSetAccess": [_U64, ctypes.c_size_t, ctypes.POINTER(_AccessDesc), ctypes.c_size_t],
+    "cuMemUnmap": [_U64, ctypes.c_size_t],
+    "cuMemAddressFree": [_U64, ctypes.c_size_t],
+    "cuMemRelease": [_U64],
+    "cuGetErrorString": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+}
+
+
+class CudaBackend:
+    """The CUDA driver API through ctypes on libcuda.so.1. Every call runs
+    with the device's primary context current in the calling thread."""
+
+    name = "cuda"
+    on_host = False
+
+    def __init__(self, device=0, reason="selected cuda"):
+        self.reason = reason
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise NotSupported("cannot load libcuda.so.1: %s" % e)
+        self.fn = {}
+        for name, args in _SIGS.items():
+            try:
+                f = getattr(lib, name)
+            except AttributeError:
+                raise NotSupported("libcuda.so.1 lacks %s (driver too old)" % name)
+            f.argtypes, f.restype = args, ctypes.c_int
+            self.fn[name] = f
+        self.call("cuInit", 0)
+        self.device = device
+        dev = ctypes.c_int()
+        self.call("cuDeviceGet", ctypes.byref(dev), device)
+        self.dev = dev.value
+        u = _UUID()
+        self.call("cuDeviceGetUuid", ctypes.byref(u), self.dev)
+        self.device_uuid = bytes(u.bytes).ljust(16, b"\0")
+        ctx = _P()
+        self.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), self.dev)
+        self.ctx = ctx.value
+        self.tls = threading.local()
+        self.released = False
+
+    def call(self, name, *args):
+        if name != "cuInit" and name not in ("cuDeviceGet", "cuDeviceGetCount", "cuDeviceGetUuid",
+                                             "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2",
+                                             "cuCtxSetCurrent", "cuGetErrorString"):
+            if getattr(self.tls, "ctx", None) != self.ctx:
+                r = self.fn["cuCtxSetCurrent"](self.ctx)
+                if r:
+                    raise DriverError("cuCtxSetCurrent", r, self.errstr(r))
+                self.tls.ctx = self.ctx
+        r = self.fn[name](*args)
+        if r:
+            raise DriverError(name, r, self.errstr(r))
+
+    def errstr(self, r):
+        s = ctypes.c_char_p()
+        if self.fn["cuGetErrorString"](r, ctypes.byref(s)) == 0 and s.value:
+            return s.value.decode(errors="replace")
+        return ""
+
+    def device_uuids(self):
+        n = ctypes.c_int()
+        self.call("cuDeviceGetCount", ctypes.byref(n))
+        out = []
+        for i in range(n.value):
+            d, u = ctypes.c_int(), _UUID()
+            self.call("cuDeviceGet", ctypes.byref(d), i)
+            self.call("cuDeviceGetUuid", ctypes.byref(u), d.value)
+            out.append(bytes(u.bytes).ljust(16, b"\0"))
+        return out
+
+    def open(self, offer, fds):
+        if offer.handle_kind == wire.HANDLE_CUDA_IPC:
+            p = _U64()
+            self.call("cuIpcOpenMemHandle_v2", ctypes.byref(p), _Handle64(offer.handle),
+                      CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+            return Mapping(offer.alloc_id, offer.handle_kind, p.value, offer.alloc_size, offer.handle)
+        fd = fds[0]
+        h = _U64()
+        try:
+            self.call("cuMemImportFromShareableHandle", ctypes.byref(h), fd,
+                      CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        finally:
+            os.close(fd)  # the import holds the memory
+        size = offer.alloc_size
+        p = _U64()
+        try:
+            self.call("cuMemAddressReserve", ctypes.byref(p), size, 0, 0, 0)
+            try:
+                self.call("cuMemMap", p.value, size, 0, h.value, 0)
+                try:
+                    desc = _AccessDesc(CU_MEM_LOCATION_TYPE_DEVICE, self.dev, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+                    self.call("cuMemSetAccess", p.value, size, ctypes.byref(desc), 1)
+                except BaseException:
+                    self.fn["cuMemUnmap"](p.value, size)
+                    raise
+            except BaseException:
+                self.fn["cuMemAddressFree"](p.value, size)
+                raise
+        except BaseException:
+            self.fn["cuMemRelease"](h.value)
+            raise
+        return Mapping(offer.alloc_id, offer.handle_kind, p.value, size, offer.handle, extra=h.value)
+
+    def close(self, m):
+        if m.closed:
+            return
+        m.closed = True
+        if m.kind == wire.HANDLE_CUDA_IPC:
+            self.call("cuIpcCloseMemHandle", m.ptr)
+        else:
+            self.call("cuMemUnmap", m.ptr, m.size)
+            self.call("cuMemAddressFree", m.ptr, m.size)
+            self.call("cuMemRelease", m.extra)
+
+    def open_event(self, handle):
+        ev = _P()
+        self.call("cuIpcOpenEventHandle", ctypes.byref(ev), _Handle64(handle))
+        return ev.value
+
+    def wait_event(self, ev, stream):
+        self.call("cuStreamWaitEvent", stream, ev, 0)
+
+    def sync_event(self, ev):
+        self.call("cuEventSynchronize", ev)
+
+    def destroy_event(self, ev):
+        self.call("cuEventDestroy_v2", ev)
+
+    def new_release_event(self):
+        ev = _P()
+        self.call("cuEventCreate", ctypes.byref(ev), CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING)
+        h = _Handle64()
+        try:
+            self.call("cuIpcGetEventHandle", ctypes.byref(h), ev.value)
+        except BaseException:
+            self.fn["cuEventDestroy_v2"](ev.value)
+            raise
+        return ev.value, bytes(h.reserved).ljust(64, b"\0")
+
+    def record(self, ev, stream):
+        self.call("cuEventRecord", ev, stream)
+
+    def stream_sync(self, stream):
+        self.call("cuStreamSynchronize", stream)
+
+    def copy_to_host(self, ptr, n):
+        buf = ctypes.create_string_buffer(n)
+        if n:
+            self.call("cuMemcpyDtoH_v2", buf, ptr, n)
+        return buf.raw
+
+    def shutdown(self):
+        if not self.released:
+            self.released = True
+            self.fn["cuDevicePrimaryCtxRelease_v2"](self.dev)
+
+
+def select(kind, device, producer_devices):
+    """Picks the backend (module docstring). kind: auto, cuda or sim."""
+    kind = (os.environ.get("CUDASHARE_DRIVER", "").strip() or kind or "auto").lower()
+    if kind == "sim":
+        return SimBackend(device)
+    if kind == "cuda":
+        return CudaBackend(device)
+    if kind != "auto":
+        raise ValueError("backend %r: want auto, cuda or sim" % kind)
+    try:
+        cb = CudaBackend(device, reason="auto: a GPU holds the producer's memory")
+    except (NotSupported, DriverError) as e:
+        return SimBackend(device, reason="auto: no CUDA driver (%s)" % e)
+    try:
+        mine = set(cb.device_uuids())
+    except DriverError as e:
+        cb.shutdown()
+        return SimBackend(device, reason="auto: cannot list CUDA devices (%s)" % e)
+    if producer_devices and not mine.intersection(producer_devices):
+        cb.shutdown()
+        return SimBackend(device, reason="auto: the producer's device is no GPU of this machine (a simulated producer)")
+    return cb
+
+
+def stream_handle(stream):
+    """A CUstream value from an int or an object with .cuda_stream, .ptr or
+    .handle (torch.cuda.Stream, cupy.cuda.Stream, ...). None is the legacy
+    default stream (0)."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        return stream
+    for attr in ("cuda_stream", "ptr", "handle"):
+        v = getattr(stream, attr, None)
+        if isinstance(v, int):
+            return v
+    raise TypeError("stream %r: want a CUstream as int, or an object with .cuda_stream, .ptr or .handle" % (stream,))

@@ -1,0 +1,609 @@
+"""The consumer side of PROTOCOL.md: connect, handshake, offers, releases,
+retire/closed, goodbye.
+
+Design: one background reader thread per connection. It reads every
+message as it arrives, so that ``retire`` is answered and the producer's
+errors are seen even while the application is busy with a batch and calls
+nothing; offers become Lease objects in a queue that ``next()`` and
+iteration take from. The queue cannot grow past the credits this consumer
+granted: an offer beyond them is a ``credit`` error. Releases, ``closed``
+and ``goodbye`` are written by whatever thread causes them, under one
+write lock, with a write timeout, so a producer that stops reading cannot
+hang the application for longer than that. Every blocking call takes a
+timeout.
+"""
+
+import atexit
+import collections
+import logging
+import os
+import select
+import signal
+import socket
+import threading
+import time
+import weakref
+
+from . import backends, wire, errors
+from .errors import Closed, CudashareError, NotSupported, ProducerGone, ProtocolError, Timeout
+from .lease import Lease
+
+log = logging.getLogger("cudashare")
+
+MAX_EVENTS = 4096          # distinct producer events cached per connection (PROTOCOL.md §4)
+MAX_RELEASE_STREAMS = 64   # streams with their own release event
+
+
+class _Alloc:
+    __slots__ = ("mapping", "leases", "retired", "rel_events")
+
+    def __init__(self, mapping):
+        self.mapping = mapping
+        self.leases = 0
+        self.retired = False
+        self.rel_events = set()
+
+
+_open = weakref.WeakSet()
+
+
+def _close_all(reason):
+    for c in list(_open):
+        try:
+            c.close(reason=reason)
+        except Exception:
+            pass
+
+
+atexit.register(_close_all, "interpreter exit")
+
+
+def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeout=10.0,
+            frame_timeout=10.0, handle_sigterm=False, wait=0.0):
+    """Connects to the producer listening at path and returns a Consumer.
+
+    device: the GPU (this process's ordinal) to map buffers on. credits: the
+    most leases held at once (queued or in use). backend: "auto", "cuda" or
+    "sim" (CUDASHARE_DRIVER overrides it, as for the Go binaries).
+    timeout bounds the connect and handshake; wait retries a socket that is
+    not there yet for that long. handle_sigterm: install a SIGTERM handler
+    that says goodbye (closes every consumer) before the previous handler
+    runs or the process exits 143; without it, only close(), the context
+    manager and interpreter exit say goodbye.
+    """
+    if not 1 <= credits <= wire.MAX_CREDITS:
+        raise ValueError("credits must be 1 to %d" % wire.MAX_CREDITS)
+    deadline = time.monotonic() + max(timeout, wait)
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(path)
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            if time.monotonic() + 0.02 > deadline or wait <= 0:
+                raise
+            time.sleep(0.02)
+        except socket.timeout:
+            sock.close()
+            raise Timeout("connect to %s: no answer within %.1fs" % (path, timeout))
+        except BaseException:
+            sock.close()
+            raise
+    c = Consumer(sock, path, device, credits, write_timeout, frame_timeout)
+    try:
+        c._handshake(timeout, backend)
+    except BaseException:
+        c._teardown()
+        raise
+    if handle_sigterm:
+        install_sigterm_handler()
+    return c
+
+
+def install_sigterm_handler():
+    """On SIGTERM, close every open consumer (goodbye), then run the previous
+    handler, or exit with status 143. Call it from the main thread."""
+    prev = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        _close_all("SIGTERM")
+        if callable(prev):
+            prev(signum, frame)
+        else:
+            raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+
+class Consumer:
+    """A connection to one producer. Use connect() to make one."""
+
+    def __init__(self, sock, path, device, credits, write_timeout, frame_timeout):
+        self.path = path
+        self.device = device
+        self.credits = credits
+        self._sock = sock
+        self._rd = wire.FrameReader(sock, frame_timeout)
+        self._write_timeout = write_timeout
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._wlock = threading.RLock()
+        self._queue = collections.deque()
+        self._outstanding = {}   # seq -> alloc_id
+        self._held = weakref.WeakValueDictionary()  # seq -> Lease, to void them at close
+        self._allocs = {}        # alloc_id -> _Alloc
+        self._events = {}        # producer's event handle bytes -> opened event
+        self._rel_events = {}    # stream -> (event, handle bytes)
+        self._window = credits
+        self._end = None         # the exception that ended the connection
+        self._bye_received = False
+        self._bye_sent = False
+        self._eof = threading.Event()
+        self._closed = False
+        self._stop = False
+        self._backend = None
+        self._reader = None
+        self.producer = None     # the hello-ack: dict of pid, devices, caps
+        self._stats = collections.Counter()
+
+    # --- setup ---
+
+    def _send(self, msg):
+        """Writes one message; raises if the write fails or times out."""
+        frame = wire.pack(msg)
+        with self._wlock:
+            self._sock.sendall(frame)
+
+    def _handshake(self, timeout, backend):
+        self._send([wire.HELLO, wire.VERSION, wire.ROLE_CONSUMER, os.getpid(), os.urandom(16), [],
+                    wire.CAP_FDS, self.credits])
+        deadline = time.monotonic() + timeout
+        body = None
+        while body is None:
+            body = self._rd.next_frame()
+            if body is not None:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Timeout("handshake with %s: no hello-ack within %.1fs" % (self.path, timeout))
+            self._sock.settimeout(left)
+            try:
+                if not self._rd.fill(accept_fds=False):
+                    raise ProducerGone("%s closed the connection during the handshake" % self.path)
+            except socket.timeout:
+                raise Timeout("handshake with %s: no hello-ack within %.1fs" % (self.path, timeout))
+        m = wire.decode(body)
+        kind = wire.uint(m[0], "kind")
+        if kind == wire.ERROR:
+            wire.need(m, 3, "error")
+            raise ProtocolError(wire.uint(m[1], "error.code"), str(m[2]), remote=True)
+        if kind != wire.HELLO_ACK:
+            raise self._protocol_fail(ProtocolError(errors.UNEXPECTED_MESSAGE, "kind %d before the handshake completed" % kind))
+        wire.need(m, 8, "hello-ack")
+        version = wire.uint(m[1], "hello-ack.version")
+        if version != wire.VERSION:
+            raise ProtocolError(errors.VERSION, "producer speaks version %d, this consumer %d" % (version, wire.VERSION))
+        role = wire.uint(m[2], "hello-ack.role")
+        if role != wire.ROLE_PRODUCER:
+            raise self._protocol_fail(ProtocolError(errors.HANDSHAKE, "peer role %d, want a producer" % role))
+        devs = m[5]
+        if not isinstance(devs, list) or len(devs) > wire.MAX_DEVICES:
+            raise self._protocol_fail(wire.malformed("hello-ack.devices: want an array of at most %d", wire.MAX_DEVICES))
+        for d in devs:
+            wire.binn(d, 16, "hello-ack.devices")
+        self.producer = {"pid": wire.uint(m[3], "hello-ack.pid"), "devices": devs,
+                         "caps": wire.uint(m[6], "hello-ack.capabilities")}
+        self._sock.settimeout(self._write_timeout)
+        self._backend = backends.select(backend, self.device, devs)
+        self._reader = threading.Thread(target=self._read_loop, name="cudashare-reader %s" % self.path, daemon=True)
+        self._reader.start()
+        _open.add(self)
+
+    # --- the reader thread ---
+
+    def _read_loop(self):
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
+        try:
+            while not self._stop:
+                # Frames first: the handshake's reads may have buffered
+                # whole messages that no later read will announce.
+                while True:
+                    body = self._rd.next_frame()
+                    if body is None:
+                        break
+                    self._handle(wire.decode(body))
+                self._rd.check_partial(time.monotonic())
+                if not poller.poll(200):
+                    continue
+                if not self._rd.fill(accept_fds=True):
+                    self._on_eof()
+                    return
+        except ProtocolError as e:
+            self._protocol_fail(e)
+        except CudashareError as e:
+            self._protocol_fail(ProtocolError(errors.INTERNAL, str(e)), cause=e)
+        except OSError as e:
+            if self._stop:
+                return
+            if self._bye_received or self._bye_sent:
+                self._on_eof()
+            else:
+                self._finish(ProducerGone("connection to %s failed: %s" % (self.path, e)))
+        finally:
+            self._rd.close_fds()
+            self._eof.set()
+
+    def _on_eof(self):
+        if self._bye_received or self._bye_sent:
+            self._finish(Closed("the producer said goodbye" if self._bye_received else "this consumer said goodbye"))
+        else:
+            self._finish(ProducerGone("the producer at %s went away without saying goodbye (killed or crashed)" % self.path))
+
+    def _protocol_fail(self, err, cause=None):
+        """Tells the producer why (best-effort, short timeout) and ends."""
+        if not err.remote:
+            try:
+                self._sock.settimeout(0.1)
+                self._send([wire.ERROR, err.code, str(err)[:wire.MAX_TEXT]])
+            except OSError:
+                pass
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._finish(err)
+        return err
+
+    def _finish(self, err):
+        with self._cond:
+            if self._end is None:
+                self._end = err
+            self._cond.notify_all()
+
+    def _handle(self, m):
+        kind = wire.uint(m[0], "kind")
+        if self._bye_received:
+            raise ProtocolError(errors.UNEXPECTED_MESSAGE, "message kind %d after the producer's goodbye" % kind)
+        if kind == wire.OFFER:
+            self._on_offer(wire.Offer.parse(m))
+        elif kind == wire.RETIRE:
+            wire.need(m, 2, "retire")
+            self._on_retire(wire.uint(m[1], "retire.alloc_id"))
+        elif kind == wire.GOODBYE:
+            wire.need(m, 2, "goodbye")
+            reason = wire.text(m[1], "goodbye.reason")
+            log.debug("cudashare: producer said goodbye: %s", reason)
+            with self._cond:
+                self._bye_received = True
+                self._cond.notify_all()
+        elif kind == wire.ERROR:
+            wire.need(m, 3, "error")
+            raise ProtocolError(wire.uint(m[1], "error.code"), wire.text(m[2], "error.message"), remote=True)
+        elif kind in (wire.HELLO, wire.HELLO_ACK, wire.RELEASE, wire.CLOSED, wire.CREDIT):
+            raise ProtocolError(errors.UNEXPECTED_MESSAGE, "message kind %d from a producer" % kind)
+        else:
+            raise ProtocolError(errors.UNKNOWN_MESSAGE, "unknown message kind %d" % kind)
+
+    def _on_offer(self, o):
+        fds = []
+        try:
+            if o.nfds:
+                fds = self._rd.take_fds(o.nfds)
+            if self._bye_sent:
+                return  # void: this consumer said goodbye
+            if o.handle_kind not in (wire.HANDLE_CUDA_IPC, wire.HANDLE_POSIX_FD):
+                raise ProtocolError(errors.NOT_SUPPORTED, "offer of handle kind %d, which this consumer does not import" % o.handle_kind)
+            with self._cond:
+                if len(self._outstanding) >= self._window:
+                    raise ProtocolError(errors.CREDIT, "offer beyond the %d credits granted" % self._window)
+                if o.seq in self._outstanding:
+                    raise ProtocolError(errors.UNEXPECTED_MESSAGE, "offer of seq %d, which is outstanding already" % o.seq)
+                a = self._allocs.get(o.alloc_id)
+            if a is not None:
+                if a.retired:
+                    raise ProtocolError(errors.UNEXPECTED_MESSAGE, "offer in allocation %d after its retire" % o.alloc_id)
+                if a.mapping.handle != o.handle or a.mapping.kind != o.handle_kind:
+                    raise wire.malformed("allocation %d offered with another handle", o.alloc_id)
+                if fds:
+                    raise wire.malformed("offer of allocation %d, mapped already, carries %d descriptors", o.alloc_id, len(fds))
+                if o.alloc_size > a.mapping.size or (a.mapping.kind == wire.HANDLE_CUDA_IPC and o.alloc_size != a.mapping.size):
+                    raise wire.malformed("allocation %d offered with alloc_size %d, mapped with %d", o.alloc_id, o.alloc_size, a.mapping.size)
+            else:
+                if o.handle_kind == wire.HANDLE_POSIX_FD and len(fds) != 1:
+                    raise wire.malformed("first offer of posix_fd allocation %d carries %d descriptors, want 1", o.alloc_id, len(fds))
+                if o.handle_kind == wire.HANDLE_CUDA_IPC and fds:
+                    raise wire.malformed("cuda_ipc offer carries %d descriptors", len(fds))
+                mapping = self._backend.open(o, fds)  # closes the descriptor
+                fds = []
+                a = _Alloc(mapping)
+                self._stats["mappings"] += 1
+            ev = None
+            if o.event_handle is not None:
+                ev = self._events.get(o.event_handle)
+                if ev is None and o.event_handle not in self._events:
+                    if len(self._events) >= MAX_EVENTS:
+                        raise ProtocolError(errors.LIMIT, "more than %d distinct producer events" % MAX_EVENTS)
+                    ev = self._backend.open_event(o.event_handle)
+                    self._events[o.event_handle] = ev
+            with self._cond:
+                self._allocs[o.alloc_id] = a
+                a.leases += 1
+                self._outstanding[o.seq] = o.alloc_id
+                lease = Lease(self, o, a.mapping, ev)
+                self._held[o.seq] = lease
+                self._queue.append(lease)
+                self._stats["offers"] += 1
+                self._stats["bytes"] += o.size
+                self._cond.notify()
+        finally:
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+    def _on_retire(self, alloc_id):
+        with self._cond:
+            a = self._allocs.get(alloc_id)
+            if a is None:
+                # Never mapped here: nothing to close.
+                self._send_quiet([wire.CLOSED, alloc_id])
+                return
+            a.retired = True
+            self._stats["retired"] += 1
+            if a.leases == 0:
+                self._close_alloc(alloc_id, a, answer=True)
+
+    def _close_alloc(self, alloc_id, a, answer):
+        """Closes a mapping once no lease and no queued GPU work is in it,
+        then says closed (PROTOCOL.md §4 retire)."""
+        for ev in a.rel_events:
+            self._backend.sync_event(ev)
+        a.rel_events.clear()
+        self._backend.close(a.mapping)
+        self._allocs.pop(alloc_id, None)
+        if answer:
+            self._send_quiet([wire.CLOSED, alloc_id])
+            self._stats["closed"] += 1
+
+    def _send_quiet(self, msg):
+        """Sends, unless the connection has ended; a write that fails after
+        a goodbye is the normal end (PROTOCOL.md §4 goodbye)."""
+        if self._end is not None and not isinstance(self._end, Closed):
+            return False
+        try:
+            self._send(msg)
+            return True
+        except OSError as e:
+            if not (self._bye_received or self._bye_sent):
+                self._finish(ProducerGone("write to %s failed: %s" % (self.path, e)))
+            return False
+
+    # --- releases ---
+
+    def _release(self, lease, stream):
+        with self._cond:
+            if lease.released:
+                return
+            lease.released = True
+            alloc_id = self._outstanding.pop(lease.seq, None)
+            if alloc_id is None:
+                return  # voided by a goodbye or the connection's end
+            a = self._allocs.get(alloc_id)
+            msg = [wire.RELEASE, [lease.seq]]
+            if stream is not None and not self._backend.on_host:
+                s = backends.stream_handle(stream)
+                if self.producer["caps"] & wire.CAP_RELEASE_EVENTS and (s in self._rel_events or len(self._rel_events) < MAX_RELEASE_STREAMS):
+                    if s not in self._rel_events:
+                        self._rel_events[s] = self._backend.new_release_event()
+                    ev, h = self._rel_events[s]
+                    self._backend.record(ev, s)
+                    msg.append(h)
+                    if a is not None:
+                        a.rel_events.add(ev)
+                    self._stats["ordered_releases"] += 1
+                else:
+                    self._backend.stream_sync(s)
+            self._send_quiet(msg)
+            self._stats["releases"] += 1
+            if a is not None:
+                a.leases -= 1
+                if a.retired and a.leases == 0:
+                    self._close_alloc(alloc_id, a, answer=True)
+
+    def _leaked(self, lease):
+        with self._cond:
+            self._stats["leaked"] += 1
+        log.warning("cudashare: lease %d was garbage-collected without release; releasing it", lease.seq)
+        self._release(lease, None)
+
+    # --- the application's side ---
+
+    def next(self, timeout=None):
+        """Returns the next lease, waiting up to timeout seconds (None: as
+        long as it takes). Raises Closed once the producer said goodbye (or
+        close() was called) and nothing is queued, ProducerGone if it
+        vanished, ProtocolError if the connection failed, Timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise Closed("this consumer is closed")
+                if self._queue and self._end is None or (self._queue and isinstance(self._end, Closed)):
+                    self._stats["handoffs"] += 1
+                    return self._queue.popleft()
+                if self._end is not None:
+                    raise self._end
+                if self._bye_received:
+                    raise Closed("the producer said goodbye")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise Timeout("no offer within %.3gs" % timeout)
+                self._cond.wait(left if left is not None else 1.0)
+
+    def __iter__(self):
+        while True:
+            try:
+                yield self.next()
+            except Closed:
+                return
+
+    def run(self, fn, workers=2, count=0):
+        """Runs fn(lease) on `workers` threads for every lease until the
+        producer says goodbye (or count leases, if count > 0), releasing
+        each after fn returns (fn may release it itself, stream-ordered).
+        Returns the number of leases handled; the first exception that fn
+        or the connection raised is re-raised (Closed is a clean end)."""
+        done = [0]
+        first = []
+        lock = threading.Lock()
+        stop = threading.Event()
+
+        def work():
+            while not stop.is_set():
+                try:
+                    lease = self.next(timeout=0.2)
+                except Timeout:
+                    continue
+                except Closed:
+                    return
+                except BaseException as e:
+                    with lock:
+                        first.append(e)
+                    stop.set()
+                    return
+                try:
+                    fn(lease)
+                except BaseException as e:
+                    with lock:
+                        first.append(e)
+                    stop.set()
+                finally:
+                    lease.release()
+                with lock:
+                    done[0] += 1
+                    if count and done[0] >= count:
+                        stop.set()
+
+        ts = [threading.Thread(target=work, name="cudashare-worker-%d" % i, daemon=True) for i in range(workers)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        if first:
+            raise first[0]
+        return done[0]
+
+    def grant(self, n):
+        """Widens the window by n credits (a credit message)."""
+        with self._cond:
+            if n < 1 or self._window + n > wire.MAX_CREDITS:
+                raise ValueError("grant %d: the window may not exceed %d" % (n, wire.MAX_CREDITS))
+            self._window += n
+        self._send([wire.CREDIT, n])
+
+    @property
+    def backend(self):
+        """"cuda" or "sim"."""
+        return self._backend.name if self._backend else None
+
+    @property
+    def backend_reason(self):
+        return self._backend.reason if self._backend else ""
+
+    @property
+    def device_uuid(self):
+        return self._backend.device_uuid if self._backend else None
+
+    def stats(self):
+        """Counters: offers, handoffs, releases, ordered_releases, leaked,
+        mappings, retired, closed, bytes."""
+        with self._lock:
+            return dict(self._stats)
+
+    def close(self, timeout=5.0, reason="consumer closed"):
+        """Says goodbye and closes; idempotent. Leases still held are
+        released first (their views become invalid: finish using them
+        before), every mapping is closed, then goodbye is sent and the
+        write side half-closed; it waits up to timeout for the producer to
+        close, then closes the socket."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            clean = self._end is None or isinstance(self._end, Closed)
+        _open.discard(self)
+        try:
+            if clean and self._reader is not None:
+                with self._cond:
+                    held = list(self._outstanding)
+                    for seq in held:
+                        l = self._held.get(seq)
+                        if l is not None:
+                            l.released = True
+                    for l in self._queue:
+                        l.released = True
+                    self._queue.clear()
+                    for i in range(0, len(held), wire.MAX_RELEASE_SEQS):
+                        self._send_quiet([wire.RELEASE, held[i:i + wire.MAX_RELEASE_SEQS]])
+                    self._outstanding.clear()
+                    for alloc_id, a in list(self._allocs.items()):
+                        self._close_alloc(alloc_id, a, answer=False)
+                    if self._send_quiet([wire.GOODBYE, reason[:wire.MAX_TEXT]]):
+                        self._bye_sent = True
+                        try:
+                            self._sock.shutdown(socket.SHUT_WR)
+                        except OSError:
+                            pass
+                self._eof.wait(timeout)
+        finally:
+            self._teardown()
+
+    def _teardown(self):
+        self._stop = True
+        self._closed = True
+        _open.discard(self)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(2.0)
+        self._sock.close()
+        self._rd.close_fds()
+        with self._cond:
+            b = self._backend
+            if b is not None:
+                for alloc_id, a in list(self._allocs.items()):
+                    try:
+                        self._close_alloc(alloc_id, a, answer=False)
+                    except CudashareError:
+                        pass
+                for ev in self._events.values():
+                    if ev is not None:
+                        b.destroy_event(ev)
+                for ev, _h in self._rel_events.values():
+                    b.destroy_event(ev)
+                self._events.clear()
+                self._rel_events.clear()
+                b.shutdown()
+            if self._end is None:
+                self._end = Closed("this consumer is closed")
+            self._cond.notify_all()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            if not self._closed:
+                self.close(timeout=0.5, reason="consumer garbage-collected")
+        except Exception:
+            pass

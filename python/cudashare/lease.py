@@ -1,0 +1,174 @@
+"""A lease: one offer this consumer holds until it releases it."""
+
+import warnings
+
+from . import dlpack, meta
+from .errors import Closed, NotSupported
+
+
+class Lease:
+    """One lent buffer, valid until ``release``.
+
+    Views of it (``__cuda_array_interface__``, ``__dlpack__``, ``host()``,
+    ``read()``) are valid only until release: after that the producer
+    rewrites the buffer. A lease used as a context manager is released on
+    exit. A lease dropped without release is released by the garbage
+    collector with a ResourceWarning and counted in
+    ``Consumer.stats()["leaked"]``, as the Go package does; a framework
+    tensor made from it keeps it alive.
+    """
+
+    def __init__(self, consumer, offer, mapping, event):
+        self._c = consumer
+        self.seq = offer.seq
+        self.alloc_id = offer.alloc_id
+        self.generation = offer.generation
+        self.offset = offer.offset
+        self.size = offer.size
+        self.meta = offer.meta
+        self.handle_kind = offer.handle_kind
+        self.device_uuid = offer.device_uuid
+        self.received_ns = offer.received_ns
+        self._mapping = mapping
+        self._event = event      # the producer's opened event, or None
+        self._waited = set()     # streams already made to wait on it
+        self.released = False
+
+    # --- where the data is ---
+
+    @property
+    def ptr(self):
+        """The address of the lent range: a device pointer on the cuda
+        backend, a host address on the sim one. Raises NotSupported where
+        the data is not reachable (sim, legacy IPC handle)."""
+        self._check()
+        if self._mapping.ptr is None:
+            raise NotSupported(
+                "lease %d: the simulator's legacy IPC (cuda_ipc) memory lives in the Go simulator and is not "
+                "reachable from Python; start the producer with VMM sharing (posix_fd) to read data on the simulator" % self.seq)
+        return self._mapping.ptr + self.offset
+
+    def _check(self):
+        if self.released:
+            raise Closed("lease %d was released; its buffer belongs to the producer again" % self.seq)
+
+    def _wait(self, stream):
+        """Orders stream after the producer's writes (its event), once."""
+        if self._event is not None and stream not in self._waited:
+            self._c._backend.wait_event(self._event, stream)
+            self._waited.add(stream)
+
+    def synchronize(self):
+        """Waits on the host until the producer's writes are done."""
+        self._check()
+        if self._event is not None:
+            self._c._backend.sync_event(self._event)
+
+    def view(self):
+        """(dtype name, shape) from the offer's meta (PROTOCOL.md §4.2);
+        raises ViewError if they do not fit the buffer."""
+        return meta.view_of(self.meta, self.size)
+
+    def read(self, n=None, offset=0):
+        """Copies n bytes at offset of the lease to host bytes (after the
+        producer's writes). For checks and tests, not for data paths."""
+        ptr = self.ptr
+        n = self.size - offset if n is None else n
+        if offset < 0 or n < 0 or offset + n > self.size:
+            raise ValueError("read [%d, %d) of a %d-byte lease" % (offset, offset + n, self.size))
+        self.synchronize()
+        return self._c._backend.copy_to_host(ptr + offset, n)
+
+    def host(self):
+        """A writable memoryview of the lease in host memory: the sim
+        backend's mapping, without a copy. Raises NotSupported on cuda."""
+        if not self._c._backend.on_host:
+            raise NotSupported("host() needs the sim backend; on a GPU use read(), __cuda_array_interface__ or __dlpack__")
+        import ctypes
+        arr = (ctypes.c_ubyte * self.size).from_address(self.ptr)
+        return memoryview(arr).cast("B")
+
+    @property
+    def __cuda_array_interface__(self):
+        """Version 3, with the stream the producer's event was waited on
+        (the legacy default stream, 1), or None when there was no event."""
+        if self._c._backend.on_host:
+            raise AttributeError("__cuda_array_interface__: the sim backend's memory is host memory (use __dlpack__ or host())")
+        dtype, shape = self.view()
+        typestr = meta.DTYPES[dtype][1]
+        if typestr is None:
+            raise AttributeError("__cuda_array_interface__ has no typestr for %s; use __dlpack__" % dtype)
+        ptr = self.ptr
+        stream = None
+        if self._event is not None:
+            self._wait(0)
+            stream = 1
+        return {"version": 3, "shape": shape, "typestr": typestr, "data": (ptr, False),
+                "strides": None, "stream": stream}
+
+    @property
+    def __array_interface__(self):
+        """On the sim backend, numpy.asarray(lease) views the mapping."""
+        if not self._c._backend.on_host:
+            raise AttributeError("__array_interface__: device memory (use __cuda_array_interface__)")
+        dtype, shape = self.view()
+        typestr = meta.DTYPES[dtype][1]
+        if typestr is None:
+            raise AttributeError("no array-interface typestr for %s" % dtype)
+        return {"version": 3, "shape": shape, "typestr": typestr, "data": (self.ptr, False), "strides": None}
+
+    def __dlpack_device__(self):
+        if self._c._backend.on_host:
+            return (dlpack.K_DL_CPU, 0)
+        return (dlpack.K_DL_CUDA, self._c._backend.device)
+
+    def __dlpack__(self, stream=None, **_kw):
+        """A "dltensor" capsule. stream is the consumer's stream (DLPack: an
+        int, 1 the legacy default stream, 2 per-thread, None: legacy); it is
+        made to wait on the producer's event, so no host sync happens."""
+        dtype, shape = self.view()
+        ptr = self.ptr
+        if not self._c._backend.on_host:
+            s = 0 if stream in (None, 1) else stream
+            if s == -1:
+                s = None  # the consumer asked for no synchronization
+            if s is not None:
+                self._wait(s)
+        dt, did = self.__dlpack_device__()
+        return dlpack.capsule(ptr, shape, meta.DTYPES[dtype][2], dt, did, self)
+
+    # --- giving it back ---
+
+    def release(self, stream=None):
+        """Gives the buffer back. Without stream, the caller has finished
+        every use of it (synchronized). With stream (a CUstream int, or an
+        object with .cuda_stream/.ptr/.handle), the release is stream-
+        ordered: the producer waits for the work queued there so far.
+        Idempotent."""
+        if self.released:
+            return
+        self._c._release(self, stream)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+        return False
+
+    def __del__(self):
+        if getattr(self, "released", True):
+            return
+        c = getattr(self, "_c", None)
+        if c is None:
+            return
+        try:
+            c._leaked(self)
+            warnings.warn("cudashare: lease %d was garbage-collected without release; released now" % self.seq,
+                          ResourceWarning, stacklevel=1)
+        except Exception:
+            pass
+
+    def __repr__(self):
+        return "<cudashare.Lease seq=%d alloc=%d size=%d%s>" % (
+            self.seq, self.alloc_id, self.size, " released" if self.released else "")

@@ -1,0 +1,252 @@
+"""Framing and message validation of PROTOCOL.md sections 2, 4 and 5.
+
+Everything a producer sends is checked here before the consumer acts on
+it, with bounds that hold whatever the producer does: a frame longer than
+the cap is refused from its 4-byte prefix, before anything is allocated;
+the receive buffer never holds more than one frame and one read; at most 4
+descriptors wait for an offer, and every descriptor that is not handed on
+is closed.
+"""
+
+import array
+import os
+import socket
+import struct
+import time
+
+import msgpack
+
+from . import errors
+from .errors import ProtocolError
+
+VERSION = 1
+ROLE_PRODUCER = 1
+ROLE_CONSUMER = 2
+
+HELLO, HELLO_ACK, OFFER, RELEASE, RETIRE, CLOSED, CREDIT, GOODBYE, ERROR = range(1, 10)
+
+CAP_FDS = 1
+CAP_RELEASE_EVENTS = 2
+CAP_FABRIC = 4
+
+HANDLE_CUDA_IPC = 0
+HANDLE_POSIX_FD = 1
+HANDLE_FABRIC = 2
+
+FRAME_CAP = 65536          # this receiver's cap (>= 8192)
+MAX_FDS = 4
+MAX_TEXT = 1024
+MAX_META = 4096
+MAX_DEPTH = 16
+MAX_RELEASE_SEQS = 512
+MAX_DEVICES = 64
+MAX_CREDITS = 1048576
+READ_CHUNK = 65536
+U64 = (1 << 64) - 1
+
+
+def malformed(fmt, *args):
+    return ProtocolError(errors.MALFORMED, fmt % args if args else fmt)
+
+
+def pack(msg):
+    """Frames one message: a big-endian uint32 length, then the msgpack body."""
+    body = msgpack.packb(msg, use_bin_type=True)
+    return struct.pack(">I", len(body)) + body
+
+
+def _no_ext(code, data):
+    raise malformed("ext type %d in a message", code)
+
+
+def decode(body):
+    """Decodes one frame body into a list, checking the free-form rules
+    (section 2.1): one value and nothing after it, no ext types, map keys
+    str only, nesting at most 16 (the Unpacker bounds every declared
+    length by the body's size)."""
+    try:
+        msg = msgpack.unpackb(body, raw=False, ext_hook=_no_ext,
+                              strict_map_key=False, use_list=True)
+    except ProtocolError:
+        raise
+    except msgpack.ExtraData:
+        raise malformed("bytes after the message's value")
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
+        raise malformed("not one msgpack value: %s", e)
+    if not isinstance(msg, list) or not msg:
+        raise malformed("a message must be a non-empty array")
+    _check_free(msg, 0)
+    return msg
+
+
+def _check_free(v, depth):
+    if depth > MAX_DEPTH:
+        raise malformed("values nest deeper than %d", MAX_DEPTH)
+    if isinstance(v, list):
+        for x in v:
+            if isinstance(x, (list, dict)):
+                _check_free(x, depth + 1)
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            if not isinstance(k, str):
+                raise malformed("map key %r, want str", k)
+            if isinstance(x, (list, dict)):
+                _check_free(x, depth + 1)
+
+
+def uint(v, field):
+    """A protocol integer field: non-negative, at most 64 bits, any encoding."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise malformed("%s: %r is not an integer", field, v)
+    if v < 0:
+        raise malformed("%s: negative integer", field)
+    return v
+
+
+def binn(v, n, field):
+    if not isinstance(v, bytes) or len(v) != n:
+        raise malformed("%s: want bin(%d), got %r", field, n, type(v).__name__)
+    return v
+
+
+def text(v, field):
+    if not isinstance(v, str):
+        raise malformed("%s: want str", field)
+    if len(v.encode()) > MAX_TEXT:
+        raise malformed("%s: longer than %d bytes", field, MAX_TEXT)
+    return v
+
+
+def need(msg, n, name):
+    if len(msg) < n:
+        raise malformed("%s: %d elements, want at least %d", name, len(msg), n)
+
+
+class Offer:
+    """A decoded, checked offer (section 4)."""
+    __slots__ = ("seq", "alloc_id", "generation", "handle", "alloc_size", "offset",
+                 "size", "device_uuid", "event_handle", "meta", "nfds", "handle_kind",
+                 "fds", "received_ns")
+
+    @classmethod
+    def parse(cls, m):
+        need(m, 12, "offer")
+        o = cls()
+        o.seq = uint(m[1], "offer.seq")
+        o.alloc_id = uint(m[2], "offer.alloc_id")
+        o.generation = uint(m[3], "offer.generation")
+        o.handle = binn(m[4], 64, "offer.handle")
+        o.alloc_size = uint(m[5], "offer.alloc_size")
+        o.offset = uint(m[6], "offer.offset")
+        o.size = uint(m[7], "offer.size")
+        for f in ("seq", "alloc_id", "generation", "alloc_size", "offset", "size"):
+            if getattr(o, f) > U64:
+                raise malformed("offer.%s: more than 64 bits", f)
+        if o.offset + o.size > o.alloc_size:
+            raise malformed("offer: offset %d + size %d beyond alloc_size %d", o.offset, o.size, o.alloc_size)
+        o.device_uuid = binn(m[8], 16, "offer.device_uuid")
+        o.event_handle = None if m[9] is None else binn(m[9], 64, "offer.event_handle")
+        o.meta = m[10]
+        if len(msgpack.packb(o.meta, use_bin_type=True)) > MAX_META:
+            raise malformed("offer.meta: more than %d bytes", MAX_META)
+        o.nfds = uint(m[11], "offer.nfds")
+        if o.nfds > MAX_FDS:
+            raise malformed("offer.nfds: %d, limit %d", o.nfds, MAX_FDS)
+        o.handle_kind = uint(m[12], "offer.handle_kind") if len(m) > 12 else HANDLE_CUDA_IPC
+        o.fds = []
+        o.received_ns = time.monotonic_ns()
+        return o
+
+
+class FrameReader:
+    """Reads frames and the descriptors that come with them from a socket.
+
+    It holds at most one frame and one read (FRAME_CAP + 4 + READ_CHUNK
+    bytes) and at most MAX_FDS descriptors, whatever the peer sends.
+    ``frame_timeout`` bounds how long half a frame may wait (section 7).
+    """
+
+    def __init__(self, sock, frame_timeout=10.0):
+        self.sock = sock
+        self.buf = bytearray()
+        self.fds = []  # received, not yet claimed by an offer
+        self.frame_timeout = frame_timeout
+        self.partial_since = None
+        self.eof = False
+
+    def close_fds(self):
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def take_fds(self, n):
+        """Claims the first n queued descriptors for an offer (section 5)."""
+        if n > len(self.fds):
+            raise malformed("offer declares %d descriptors, %d arrived", n, len(self.fds))
+        fds, self.fds = self.fds[:n], self.fds[n:]
+        return fds
+
+    def next_frame(self):
+        """Returns the next whole frame body in the buffer, or None."""
+        if len(self.buf) < 4:
+            return None
+        (n,) = struct.unpack_from(">I", self.buf)
+        if n == 0:
+            raise malformed("frame of length 0")
+        if n > FRAME_CAP:
+            raise ProtocolError(errors.FRAME_TOO_LARGE, "frame of %d bytes, cap %d" % (n, FRAME_CAP))
+        if len(self.buf) < 4 + n:
+            return None
+        self.partial_since = None
+        body = bytes(self.buf[4:4 + n])
+        del self.buf[:4 + n]
+        return body
+
+    def fill(self, accept_fds):
+        """One recvmsg: appends what arrived. Returns False at end of stream."""
+        want = min(READ_CHUNK, 4 + FRAME_CAP - len(self.buf)) if len(self.buf) < 4 + FRAME_CAP else 1
+        data, anc, flags, _ = self.sock.recvmsg(max(want, 1), socket.CMSG_SPACE(MAX_FDS * 4))
+        got = []
+        bad = None
+        for level, kind, payload in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                a = array.array("i")
+                a.frombytes(payload[: len(payload) - len(payload) % a.itemsize])
+                got.extend(a)
+            else:
+                bad = malformed("control message (%d, %d) that is not SCM_RIGHTS", level, kind)
+        if flags & socket.MSG_CTRUNC:
+            bad = malformed("more than %d descriptors with one message", MAX_FDS)
+        elif got and not accept_fds:
+            bad = ProtocolError(errors.UNEXPECTED_MESSAGE, "%d descriptors, and this consumer did not advertise fds" % len(got))
+        elif len(self.fds) + len(got) > MAX_FDS:
+            bad = malformed("%d descriptors pending, limit %d", len(self.fds) + len(got), MAX_FDS)
+        if bad is not None:
+            for fd in got:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            raise bad
+        self.fds.extend(got)
+        if not data:
+            self.eof = True
+            return False
+        self.buf += data
+        return True
+
+    def check_partial(self, now):
+        """Raises a timeout error if half a frame has waited too long;
+        checks descriptors that no frame can claim (section 5)."""
+        if not self.buf:
+            self.partial_since = None
+            if self.fds:
+                raise malformed("%d descriptors arrived with no message to claim them", len(self.fds))
+            return
+        if self.partial_since is None:
+            self.partial_since = now
+        elif now - self.partial_since > self.frame_timeout:
+            raise ProtocolError(errors.TIMEOUT, "half a frame held for more than %.0fs" % self.frame_timeout)

@@ -1,0 +1,45 @@
+//go:build linux
+
+package python
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"testing"
+	"time"
+)
+
+// TestPytest runs python/tests with /usr/bin/python3 (or python3), passing
+// it a freshly built example binary. It skips, naming what is missing, when
+// no Python has msgpack and pytest (Debian: python3-msgpack, python3-pytest).
+func TestPytest(t *testing.T) {
+	py := ""
+	for _, p := range []string{"/usr/bin/python3", "python3"} {
+		if exec.Command(p, "-c", "import msgpack, pytest").Run() == nil {
+			py = p
+			break
+		}
+	}
+	if py == "" {
+		t.Skip("no python3 with both msgpack and pytest (Debian: apt-get install python3-msgpack python3-pytest); the Python consumer's tests did not run")
+	}
+	if testing.Short() {
+		t.Skip("-short: the Python suite builds and runs the example producer")
+	}
+	bin := filepath.Join(t.TempDir(), "cudashare")
+	build := exec.Command("go", "build", "-o", bin, "../cmd/cudashare")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, py, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider")
+	cmd.Env = append(os.Environ(), "CUDASHARE_BIN="+bin, "CUDASHARE_DRIVER=sim", "PYTHONDONTWRITEBYTECODE=1")
+	out, err := cmd.CombinedOutput()
+	t.Logf("pytest:\n%s", out)
+	if err != nil {
+		t.Fatalf("pytest failed: %v", err)
+	}
+}

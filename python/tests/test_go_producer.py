@@ -1,0 +1,138 @@
+"""The consumer against the Go example producer on the simulated driver:
+the protocol end to end, credits, retire/closed, goodbye both ways, a
+producer killed, a consumer killed, SIGTERM, and the CLI's report."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import cudashare
+from conftest import REPO, producer_has_sharing
+
+PY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_consume_until_goodbye(go_producer):
+    p = go_producer("-count", "20", "-size", "64KiB")
+    with cudashare.connect(p.path, backend="sim", wait=5) as c:
+        n = 0
+        for lease in c:
+            with lease:
+                assert lease.meta["batch"] == n and lease.meta["dtype"] == "uint8"
+                assert lease.view() == ("uint8", (65536,))
+                n += 1
+        st = c.stats()
+    rep, code = p.wait()
+    assert n == 20 and code == 0, p.err
+    assert rep["releases"] == 20 and rep["allocations_left"] == 0 and rep["consumers_lost"] == 0
+    assert st["mappings"] == 1 and st["closed"] == 1  # one open, retire answered
+    assert rep["shutdown_seconds"] < 5  # goodbye half-closes: nobody waits for a timeout
+
+
+def test_credits_bound_what_is_held(go_producer):
+    p = go_producer("-count", "5", "-size", "64KiB")
+    with cudashare.connect(p.path, backend="sim", credits=2, wait=5) as c:
+        a, b = c.next(timeout=5), c.next(timeout=5)
+        with pytest.raises(cudashare.Timeout):
+            c.next(timeout=0.3)  # a third offer would break the window
+        a.release()
+        c.next(timeout=5).release()
+        b.release()
+        for l in c:
+            l.release()
+    assert p.wait()[1] == 0
+
+
+def test_consumer_close_says_goodbye(go_producer):
+    p = go_producer("-size", "64KiB")
+    c = cudashare.connect(p.path, backend="sim", wait=5)
+    held = c.next(timeout=5)
+    c.close()
+    assert held.released
+    p.kill(signal.SIGINT)
+    rep, code = p.wait()
+    assert code == 0 and rep["consumers_lost"] == 0, p.err
+
+
+def test_producer_killed(go_producer):
+    p = go_producer("-size", "64KiB")
+    c = cudashare.connect(p.path, backend="sim", wait=5)
+    c.next(timeout=5).release()
+    p.kill()
+    with pytest.raises(cudashare.ProducerGone):
+        for _ in range(100):
+            c.next(timeout=5).release()
+    c.close()
+
+
+def _child(path, body):
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+        sys.path.insert(0, %r)
+        import cudashare
+        c = cudashare.connect(%r, backend="sim", wait=5, handle_sigterm=True)
+        l = c.next(timeout=5)
+        print("holding", flush=True)
+    """ % (PY, path)) + textwrap.dedent(body)
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+
+
+def test_consumer_killed(go_producer):
+    p = go_producer("-count", "30", "-size", "64KiB")
+    ch = _child(p.path, "time.sleep(60)")
+    assert ch.stdout.readline().strip() == "holding"
+    ch.kill()
+    ch.wait()
+    with cudashare.connect(p.path, backend="sim", wait=5) as c:
+        for l in c:
+            l.release()
+    rep, code = p.wait()
+    assert code == 0 and rep["consumers_lost"] == 1, (rep, p.err)
+
+
+def test_sigterm_says_goodbye(go_producer):
+    p = go_producer("-size", "64KiB")
+    ch = _child(p.path, "time.sleep(60)")
+    assert ch.stdout.readline().strip() == "holding"
+    ch.send_signal(signal.SIGTERM)
+    assert ch.wait(10) == 128 + signal.SIGTERM
+    p.kill(signal.SIGINT)
+    rep, code = p.wait()
+    assert code == 0 and rep["consumers_lost"] == 0, (rep, p.err)
+
+
+def test_cli_report_matches_go(go_producer, gobin):
+    p = go_producer("-count", "10", "-size", "64KiB")
+    r = subprocess.run([sys.executable, "-m", "cudashare", "consume", "--socket", p.path, "--verify", "none",
+                        "--wait", "5"], cwd=PY, capture_output=True, text=True, timeout=30,
+                       env=dict(os.environ, CUDASHARE_DRIVER="sim"))
+    assert r.returncode == 0, r.stderr
+    py = json.loads(r.stdout.strip().splitlines()[-1])
+    assert py["handoffs"] == 10 and py["end"] == "producer said goodbye" and py["driver"] == "sim"
+    assert p.wait()[1] == 0
+    p2 = go_producer("-count", "3", "-size", "64KiB")
+    g = subprocess.run([gobin, "consumer", "-socket", p2.path, "-json", "-verify", "none", "-wait", "5s"],
+                       capture_output=True, text=True, timeout=30,
+                       env=dict(os.environ, CUDASHARE_DRIVER="sim", CUDASHARE_SIM_DIR=os.path.join(p2.dir, "sim")))
+    go = json.loads(g.stdout.strip().splitlines()[-1])
+    assert set(go) - {"read_test", "error"} <= set(py), set(go) - set(py)
+
+
+def test_vmm_data_path(go_producer, gobin):
+    """Needs the producer's VMM lending (-sharing vmm)."""
+    if not producer_has_sharing(gobin):
+        pytest.skip("this producer has no -sharing flag yet: VMM (posix_fd) lending is not there to test")
+    p = go_producer("-count", "12", "-size", "64KiB", "-sharing", "vmm")
+    with cudashare.connect(p.path, backend="sim", wait=5) as c:
+        for l in c:
+            with l:
+                assert l.handle_kind == 1
+                want = l.meta["batch"] % 251 + 1
+                assert bytes(l.host()) == bytes([want]) * l.size
+    assert p.wait()[1] == 0
