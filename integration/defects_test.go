@@ -337,7 +337,7 @@ func TestDefectIdleConnectionFlood(t *testing.T) {
 // serving a good consumer, and frees everything once that process is gone.
 func TestDefectClosedWhileLeased(t *testing.T) {
 	e := newEnv(t, "")
-	prod := e.producer("-ring", "8", "-size", "64KiB", "-fill=false", "-consumers", "1", "-shutdown-timeout", "30s")
+	prod := e.producer("-sharing", "ipc", "-ring", "8", "-size", "64KiB", "-fill=false", "-consumers", "1", "-shutdown-timeout", "30s")
 	// The good consumer starts once the socket is there: twice in about
 	// fifteen full runs here, one started before it dialled ENOENT for its
 	// whole -wait (979 tries over 20 s) while the socket existed; not
@@ -374,7 +374,7 @@ func TestDefectClosedWhileLeased(t *testing.T) {
 // freed and the producer shuts down cleanly.
 func TestDefectConnectionHandedToChild(t *testing.T) {
 	e := newEnv(t, "")
-	prod := e.producer("-ring", "8", "-size", "64KiB", "-fill=false", "-consumers", "1", "-shutdown-timeout", "30s", "-v")
+	prod := e.producer("-sharing", "ipc", "-ring", "8", "-size", "64KiB", "-fill=false", "-consumers", "1", "-shutdown-timeout", "30s", "-v")
 	// The good consumer starts once the socket is there: twice in about
 	// fifteen full runs here, one started before it dialled ENOENT for its
 	// whole -wait (979 tries over 20 s) while the socket existed; not
@@ -419,7 +419,7 @@ func TestDefectConnectionHandedToChild(t *testing.T) {
 // consumer is killed, everything is freed with no violation.
 func TestDefectShutdownTimeoutStuckConsumer(t *testing.T) {
 	e := newEnv(t, "")
-	prod := e.producer("-ring", "8", "-size", "64KiB", "-consumers", "3", "-lease-timeout", "30s", "-shutdown-timeout", "2s", "-v")
+	prod := e.producer("-sharing", "ipc", "-ring", "8", "-size", "64KiB", "-consumers", "3", "-lease-timeout", "30s", "-shutdown-timeout", "2s", "-v")
 	a := e.consumer("a", "-work", "1ms", "-report-every", "100ms")
 	b := e.consumer("b", "-report-every", "100ms")
 	stuck := e.consumer("stuck", "-credits", "2", "-work", "1ms", "-report-every", "100ms")
@@ -452,7 +452,7 @@ func TestDefectShutdownTimeoutStuckConsumer(t *testing.T) {
 // producer keeps serving.
 func TestDefectReleaseNotHeld(t *testing.T) {
 	e := newEnv(t, "")
-	prod := e.producer("-ring", "8", "-size", "64KiB", "-fill=false", "-consumers", "1")
+	prod := e.producer("-sharing", "ipc", "-ring", "8", "-size", "64KiB", "-fill=false", "-consumers", "1")
 	// Started once the socket is there (see TestDefectClosedWhileLeased).
 	e.waitSocket(prod)
 	good := e.consumer("good", "-verify", "none", "-work", "1ms")

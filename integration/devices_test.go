@@ -69,7 +69,7 @@ func TestConsumerWithProducerGPUHidden(t *testing.T) {
 func TestNoPeerAccess(t *testing.T) {
 	e := newEnv(t, `{"devices": 2, "peer": [[0, 0], [0, 0]]}`)
 	ids := e.needDevices(2)
-	prod := e.producer("-device", "0", "-ring", "2", "-size", "64KiB", "-consumers", "1")
+	prod := e.producer("-sharing", "ipc", "-device", "0", "-ring", "2", "-size", "64KiB", "-consumers", "1")
 	e.waitSocket(prod)
 
 	c := e.start("consumer on GPU 1", bins.consumer, nil, "-socket", e.sock, "-json", "-device", "1")

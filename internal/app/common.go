@@ -283,3 +283,12 @@ func runLoop(loop func(done <-chan struct{})) (stop func()) {
 		<-finished
 	}
 }
+
+// envOr is the environment variable name's value, or def if it is unset
+// or empty.
+func envOr(name, def string) string {
+	if v := os.Getenv(name); v != "" {
+		return v
+	}
+	return def
+}

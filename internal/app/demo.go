@@ -165,6 +165,7 @@ func RunDemo(ctx context.Context, args []string, stdout, stderr io.Writer, comma
 	}
 	row("driver", "%s", driverLine)
 	row("devices", "%s", describeDevices(d, *pdev, *cdev))
+	row("sharing", "%s", describeSharing(&pr))
 
 	var recv, verified, wrong, unreadable, maps uint64
 	var per []string
@@ -193,7 +194,7 @@ func RunDemo(ctx context.Context, args []string, stdout, stderr io.Writer, comma
 		freed = fmt.Sprintf("%d allocation(s) NOT freed", pr.AllocationsLeft)
 		ok = false
 	}
-	row("memory", "%s lent, nothing copied; %d IPC mapping(s) opened in all; %s", humanBytes(pr.BytesOffered), maps, freed)
+	row("memory", "%s lent, nothing copied; %d mapping(s) opened in all; %s", humanBytes(pr.BytesOffered), maps, freed)
 
 	if v, err := d.Violations(); errors.Is(err, driver.ErrStrictUnsupported) {
 		row("violations", "n/a (real driver: only the simulator checks lifetimes)")
@@ -293,4 +294,15 @@ func humanBytes(n uint64) string {
 		return fmt.Sprintf("%.1f KiB", float64(n)/(1<<10))
 	}
 	return fmt.Sprintf("%d B", n)
+}
+
+// describeSharing says which sharing path the producer took, and why.
+func describeSharing(pr *ProducerReport) string {
+	switch pr.Sharing {
+	case "vmm":
+		return "VMM allocations sent as file descriptors over the socket (" + pr.SharingWhy + ")"
+	case "ipc":
+		return "legacy CUDA IPC handles (" + pr.SharingWhy + ")"
+	}
+	return "unknown (" + pr.SharingWhy + ")"
 }

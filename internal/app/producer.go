@@ -41,6 +41,7 @@ type producerConfig struct {
 	leaseTimeout    time.Duration
 	maxLeases       int
 	writeTimeout    time.Duration
+	sharing         string
 	reportEvery     time.Duration
 	json            bool
 	verbose         bool
@@ -70,6 +71,7 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.IntVar(&cfg.maxLeases, "max-leases", 0, "most batches one consumer holds at once, below the credits it asks for, so that a slow consumer cannot take the whole ring (0: only its credits)")
 	fs.DurationVar(&cfg.reportEvery, "report-every", 0, "print a JSON progress line (ProducerProgress: batches, consumers, leases, goroutines) to stdout this often, for scripts and tests watching a long run (0: none)")
 	fs.DurationVar(&cfg.writeTimeout, "write-timeout", 0, "drop a consumer that leaves the producer's messages unread this long (0: the transport's default, 10s)")
+	fs.StringVar(&cfg.sharing, "sharing", envOr("CUDASHARE_SHARING", "auto"), "how the buffers are shared: vmm (VMM allocations sent as file descriptors: work across containers, outlive the producer, never pinned by a lost consumer), ipc (legacy CUDA IPC handles), or auto (vmm where the device supports it); CUDASHARE_SHARING sets the default")
 	fs.BoolVar(&cfg.json, "json", false, "print one JSON line of results instead of the summary")
 	fs.BoolVar(&cfg.verbose, "v", false, "log consumers arriving and leaving")
 	if code, done := parseFlags(fs, args, stdout); done {
@@ -162,7 +164,12 @@ func (p *producer) run(ctx context.Context) error {
 	}
 	defer stream.Close()
 
+	sharing, err := share.ParseSharing(p.cfg.sharing)
+	if err != nil {
+		return err
+	}
 	exp, err := share.NewExporter(ctx, dev.ctx, p.cfg.socket, share.ExporterConfig{
+		Sharing:              sharing,
 		Logger:               p.log,
 		LeaseTimeout:         p.cfg.leaseTimeout,
 		MaxLeasesPerConsumer: p.cfg.maxLeases,
@@ -171,7 +178,10 @@ func (p *producer) run(ctx context.Context) error {
 	if err != nil {
 		return explainListen(p.cfg.socket, err)
 	}
-	p.log.Info("listening", "socket", exp.Addr(), "driver", dev.d.Backend(), "device", p.cfg.device, "uuid", dev.dev.UUID())
+	sh, why := exp.Sharing()
+	p.rep.Sharing, p.rep.SharingWhy = sh.String(), why
+	p.log.Info("listening", "socket", exp.Addr(), "driver", dev.d.Backend(), "device", p.cfg.device, "uuid", dev.dev.UUID(),
+		"sharing", p.rep.Sharing, "why", p.rep.SharingWhy)
 	if p.cfg.reportEvery > 0 {
 		// No progress line may follow the final report.
 		defer runLoop(func(done <-chan struct{}) { p.reportLoop(exp, done) })()
@@ -195,6 +205,7 @@ func (p *producer) run(ctx context.Context) error {
 	p.rep.ConsumersLost, p.rep.Retired = st.ConsumersLost, st.Retired
 	p.rep.ConsumersDropped, p.rep.BroadcastMissed = st.ConsumersDropped, st.BroadcastMissed
 	p.rep.OrderedReleases = st.OrderedReleases
+	p.rep.Abandoned, p.rep.Replaced = st.Abandoned, st.Replaced
 	p.rep.AllocationsLeft, p.rep.LeasesLeft = st.Allocations, st.Leases
 	p.rep.MemUsedAfter = memUsed(dev.ctx)
 	keepContext = st.Allocations > 0
@@ -411,6 +422,7 @@ func (p *producer) summary(w io.Writer) {
 		what += ", broadcast"
 	}
 	fmt.Fprintf(w, "producer: %s driver, GPU %d (%s)\n", r.Driver, r.Device, r.DeviceUUID)
+	fmt.Fprintf(w, "producer: sharing %s: %s\n", r.Sharing, r.SharingWhy)
 	fmt.Fprintf(w, "producer: %d batches of %s (%s) in %.2fs: %.0f batches/s, %s lent in %d offers; ended by %s\n",
 		r.Batches, FormatSize(r.Size), what, r.Seconds, r.BatchesPerS, humanBytes(r.BytesOffered), r.Offers, r.End)
 	fmt.Fprintf(w, "producer: consumers: %d lost (gone without a goodbye), %d dropped (stuck past a timeout, or a protocol error); %d broadcast offer(s) missed by a full backlog\n",

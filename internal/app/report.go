@@ -16,6 +16,10 @@ type ProducerReport struct {
 	DeviceName   string  `json:"device_name"`
 	Socket       string  `json:"socket"`
 	Mode         string  `json:"mode"` // "ring" or "fresh"
+	// Sharing is "vmm" or "ipc", the path the exporter took, and
+	// SharingWhy why (share.Exporter.Sharing).
+	Sharing    string `json:"sharing"`
+	SharingWhy string `json:"sharing_why"`
 	Broadcast    bool    `json:"broadcast"`
 	Event        bool    `json:"event"`
 	Fill         bool    `json:"fill"`
@@ -38,6 +42,10 @@ type ProducerReport struct {
 	OrderedReleases  uint64 `json:"ordered_releases"` // releases that were stream-ordered (consumer -verify async)
 	BroadcastMissed  uint64 `json:"broadcast_missed"`
 	Retired          uint64 `json:"retired"`
+	// Buffers given up to lost consumers that may still read them (VMM),
+	// and ring allocations replaced with fresh memory because of them.
+	Abandoned uint64 `json:"abandoned"`
+	Replaced  uint64 `json:"replaced"`
 	AllocationsLeft  int    `json:"allocations_left"` // 0: everything it allocated was freed
 	LeasesLeft       int    `json:"leases_left"`
 
