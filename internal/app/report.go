@@ -8,27 +8,27 @@ import (
 // ProducerReport is what the producer prints with -json: one line, read
 // by the demo, the integration tests and the benchmark harness.
 type ProducerReport struct {
-	Role         string  `json:"role"` // "producer"
-	Driver       string  `json:"driver"`
-	DriverReason string  `json:"driver_reason"`
-	Device       int     `json:"device"`
-	DeviceUUID   string  `json:"device_uuid"`
-	DeviceName   string  `json:"device_name"`
-	Socket       string  `json:"socket"`
-	Mode         string  `json:"mode"` // "ring" or "fresh"
+	Role         string `json:"role"` // "producer"
+	Driver       string `json:"driver"`
+	DriverReason string `json:"driver_reason"`
+	Device       int    `json:"device"`
+	DeviceUUID   string `json:"device_uuid"`
+	DeviceName   string `json:"device_name"`
+	Socket       string `json:"socket"`
+	Mode         string `json:"mode"` // "ring" or "fresh"
 	// Sharing is "vmm" or "ipc", the path the exporter took, and
 	// SharingWhy why (share.Exporter.Sharing).
-	Sharing    string `json:"sharing"`
-	SharingWhy string `json:"sharing_why"`
-	Broadcast    bool    `json:"broadcast"`
-	Event        bool    `json:"event"`
-	Fill         bool    `json:"fill"`
-	Size         uint64  `json:"size"`
-	Ring         int     `json:"ring"`
-	Batches      uint64  `json:"batches"` // buffers filled and offered
-	Seconds      float64 `json:"seconds"` // from the first batch to the last offer
-	BatchesPerS  float64 `json:"batches_per_s"`
-	End          string  `json:"end"` // count, duration, signal, or error
+	Sharing     string  `json:"sharing"`
+	SharingWhy  string  `json:"sharing_why"`
+	Broadcast   bool    `json:"broadcast"`
+	Event       bool    `json:"event"`
+	Fill        bool    `json:"fill"`
+	Size        uint64  `json:"size"`
+	Ring        int     `json:"ring"`
+	Batches     uint64  `json:"batches"` // buffers filled and offered
+	Seconds     float64 `json:"seconds"` // from the first batch to the last offer
+	BatchesPerS float64 `json:"batches_per_s"`
+	End         string  `json:"end"` // count, duration, signal, or error
 
 	// From share.ExporterStats after Shutdown.
 	Offers        uint64 `json:"offers"`
@@ -44,10 +44,10 @@ type ProducerReport struct {
 	Retired          uint64 `json:"retired"`
 	// Buffers given up to lost consumers that may still read them (VMM),
 	// and ring allocations replaced with fresh memory because of them.
-	Abandoned uint64 `json:"abandoned"`
-	Replaced  uint64 `json:"replaced"`
-	AllocationsLeft  int    `json:"allocations_left"` // 0: everything it allocated was freed
-	LeasesLeft       int    `json:"leases_left"`
+	Abandoned       uint64 `json:"abandoned"`
+	Replaced        uint64 `json:"replaced"`
+	AllocationsLeft int    `json:"allocations_left"` // 0: everything it allocated was freed
+	LeasesLeft      int    `json:"leases_left"`
 
 	// Device memory in use (driver's count) before the exporter existed and
 	// after Shutdown. On the simulator only this process and its peers use
