@@ -1,0 +1,139 @@
+//go:build linux
+
+package share_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/seed743c36cf/cudashare/share"
+	"github.com/seed743c36cf/cudashare/share/sharetest"
+)
+
+// TestVMMRingReplacesAbandonedGroup: a ring of 8 x 1 MiB with VMM lies in
+// allocations of two buffers each (2 MiB granularity). A consumer lost
+// while it holds one buffer does not pin anything: the buffer's allocation
+// is replaced with fresh memory, its partner moves over as soon as it is
+// idle, the old allocation is retired and freed once nothing but the lost
+// consumer maps it, and a good consumer is served throughout with the
+// right bytes. The lost consumer still reads what it held.
+func TestVMMRingReplacesAbandonedGroup(t *testing.T) {
+	env := sharetest.Setup(t)
+	mem := env.FreeMemory(t)
+	defer env.CheckMemory(t, mem)
+	e := newExporterWith(t, env, share.ExporterConfig{Sharing: share.SharingVMM})
+	if s, _ := e.Sharing(); s != share.SharingVMM {
+		t.Fatalf("sharing %s", s)
+	}
+	lost := sharetest.Start(t, "rawconsumer", sharetest.EnvParam(sharetest.ParamPath, e.Addr()), sharetest.EnvParam(sharetest.ParamHold, 1))
+	lost.Expect("CONNECTED")
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(8, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s := e.Stats(); s.Allocations != 4 {
+		t.Fatalf("a ring of 8 x 1 MiB in %d allocations, want 4 of 2 MiB", s.Allocations)
+	}
+	offerRing(t, env, e, r, 0, 1)
+	lost.Expect("HELD 1")
+	// The producer holds a buffer of the same allocation while the
+	// consumer is lost: it may still offer it, and it moves over after.
+	held, err := r.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lost.Send("disconnect")
+	lost.Expect("DISCONNECTED")
+	waitUntil(t, "the lost consumer's buffer to be replaced", func() bool { return e.Stats().Replaced == 1 })
+	good := startConsumer(t, e)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := sharetest.Fill(env.Ctx, held.Ptr(), held.Size(), 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := env.Ctx.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Offer(ctx, held, share.OfferOptions{Meta: sharetest.Meta(1)}); err != nil {
+		t.Fatalf("offer of a buffer held across the replacement: %v", err)
+	}
+	offerRing(t, env, e, r, 2, 200)
+	// The old allocation: retired and freed once its other buffer came
+	// back, although the lost consumer still maps it.
+	waitUntil(t, "the replaced allocation to be freed", func() bool { return e.Stats().Allocations == 4 })
+	lost.Send("check")
+	lost.Expect("CHECK")
+	if s := e.Stats(); s.Abandoned != 1 || s.Replaced != 1 || s.Retired != 1 {
+		t.Errorf("exporter stats %+v", s)
+	}
+	s := shutdown(t, e)
+	if s.Offers != 202 || s.Releases != 202 {
+		t.Errorf("exporter stats %+v", s)
+	}
+	var rep sharetest.ConsumerReport
+	good.Report(&rep)
+	good.Wait()
+	checkConsumer(t, &rep, 201)
+	lost.Send("exit")
+	lost.Wait()
+}
+
+// TestVMMArenaAbandonedRange: an arena range a lost consumer held stays
+// out of use (it may still read it); the rest of the arena serves on.
+func TestVMMArenaAbandonedRange(t *testing.T) {
+	env := sharetest.Setup(t)
+	mem := env.FreeMemory(t)
+	defer env.CheckMemory(t, mem)
+	e := newExporterWith(t, env, share.ExporterConfig{Sharing: share.SharingVMM})
+	lost := sharetest.Start(t, "rawconsumer", sharetest.EnvParam(sharetest.ParamPath, e.Addr()), sharetest.EnvParam(sharetest.ParamHold, 1))
+	lost.Expect("CONNECTED")
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	a, err := e.NewArena(4 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	size := a.Available()
+	b, err := a.Alloc(ctx, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := env.Ctx.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Offer(ctx, b, share.OfferOptions{Meta: sharetest.Meta(0)}); err != nil {
+		t.Fatal(err)
+	}
+	b.Free()
+	lost.Expect("HELD 1")
+	lost.Send("disconnect")
+	lost.Expect("DISCONNECTED")
+	waitUntil(t, "the range to be abandoned", func() bool { return e.Stats().AbandonedBytes == 1<<20 })
+	if got := a.Available(); got != size-1<<20 {
+		t.Errorf("arena: %d bytes free, want %d", got, size-1<<20)
+	}
+	if err := b.Wait(ctx); err == nil {
+		t.Errorf("Wait on an abandoned buffer succeeded; want ErrAbandoned")
+	}
+	short, cancel := context.WithTimeout(ctx, 50*time.Millisecond)
+	defer cancel()
+	if _, err := a.Alloc(short, size); err == nil {
+		t.Errorf("the whole arena was allocated while a lost consumer may read part of it")
+	}
+	lost.Send("check")
+	lost.Expect("CHECK")
+	shutdown(t, e)
+	lost.Send("exit")
+	lost.Wait()
+}
