@@ -1,0 +1,477 @@
+//go:build linux
+
+package share
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+
+	"github.com/seed743c36cf/cudashare/driver"
+	"github.com/seed743c36cf/cudashare/transport"
+)
+
+// OfferOptions go with an offer.
+type OfferOptions struct {
+	// Meta is small user metadata (shape, dtype, ...): one msgpack value
+	// of at most transport.MaxMetaSize bytes, or nil. It is copied.
+	Meta []byte
+	// Stream, if not nil, is the stream whose work wrote the buffer: the
+	// buffer's interprocess event is recorded on it, and the consumer's
+	// stream waits for that event instead of the host synchronizing.
+	// Offers of one buffer that are in flight together must use the same
+	// stream. The writes must be ordered before the record: made on this
+	// stream, or on the legacy NULL stream when this stream is a blocking
+	// one (a non-blocking stream does not wait for NULL-stream work, and a
+	// synchronous cuMemcpyHtoD from pageable memory may return before its
+	// DMA lands). Nil: the buffer must be complete on the device when Offer
+	// is called (synchronize first), and no event travels (and no event
+	// call is made).
+	Stream *driver.Stream
+}
+
+// Offer lends b to one consumer: the next, in round-robin order, that has
+// a credit; it waits within ctx while none has. This is work distribution:
+// each buffer goes to one consumer.
+//
+// The consumer holds the lease until it releases it; b.Wait, a Ring or an
+// arena buffer's Free tell the producer when that is. The producer must
+// not write b while it is leased.
+func (e *Exporter) Offer(ctx context.Context, b *Buffer, opts OfferOptions) error {
+	if err := ctx.Err(); err != nil {
+		return err // a loop bounded by its context must end even when credit is free
+	}
+	if err := e.own(b); err != nil {
+		return err
+	}
+	e.mu.Lock()
+	var c *consumer
+	for {
+		if err := e.lendableLocked(b); err != nil {
+			e.mu.Unlock()
+			return err
+		}
+		if c = e.pickLocked(); c != nil {
+			break
+		}
+		if err := e.waitLocked(ctx, &e.creditWait); err != nil {
+			e.mu.Unlock()
+			return err
+		}
+	}
+	seq, gen, m := e.reserveLocked(c, b)
+	ev := b.ev
+	e.mu.Unlock()
+	err := e.send(ctx, c, b, m, seq, gen, ev, &opts, true)
+	e.mu.Lock()
+	e.finishLocked(c, b, seq, err)
+	e.mu.Unlock()
+	return err
+}
+
+// Broadcast lends b to every consumer that keeps up, and returns how many
+// it reached. It waits within ctx while no consumer can take b at all. A
+// consumer that cannot take b now (at its credits or MaxLeasesPerConsumer,
+// or, while other consumers are connected, holding half or more of b's
+// ring, or of b's arena's bytes, so that it never pins a whole ring) is
+// given up to BroadcastGrace to make room; if it does not, it misses b and
+// is lagging: later broadcasts skip it without waiting until it has room
+// again. What it misses is not queued for later (Stats.BroadcastMissed
+// counts misses). So a stalled consumer costs the others one grace period,
+// and its backlog is bounded. A consumer that goes away meanwhile is
+// skipped. The event, if any, is recorded once.
+func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) (int, error) {
+	if err := ctx.Err(); err != nil {
+		return 0, err
+	}
+	if err := e.own(b); err != nil {
+		return 0, err
+	}
+	e.mu.Lock()
+	for {
+		if err := e.lendableLocked(b); err != nil {
+			e.mu.Unlock()
+			return 0, err
+		}
+		if slices.ContainsFunc(e.consumers, func(c *consumer) bool { return e.takesLocked(c, b) }) {
+			break
+		}
+		// Credit, a new consumer and a lost one all wake creditWait.
+		if err := e.waitLocked(ctx, &e.creditWait); err != nil {
+			e.mu.Unlock()
+			return 0, err
+		}
+	}
+	targets := slices.Clone(e.consumers)
+	// Pin b: a consumer that releases quickly must not return it to its
+	// ring (or free it) while the broadcast is still going.
+	b.sending++
+	b.rec.sending++
+	e.mu.Unlock()
+	defer func() {
+		e.mu.Lock()
+		e.unpinLocked(b)
+		e.mu.Unlock()
+	}()
+
+	record := true
+	n := 0
+	var deadline time.Time // of the grace, from the first wait
+	for _, c := range targets {
+		e.mu.Lock()
+		if err := e.lendableLocked(b); err != nil {
+			e.mu.Unlock()
+			return n, err
+		}
+		take, err := e.roomLocked(ctx, c, b, &deadline)
+		if err != nil {
+			e.mu.Unlock()
+			return n, err
+		}
+		if !take {
+			e.mu.Unlock()
+			continue
+		}
+		seq, gen, m := e.reserveLocked(c, b)
+		ev := b.ev
+		e.mu.Unlock()
+		err = e.send(ctx, c, b, m, seq, gen, ev, &opts, record)
+		e.mu.Lock()
+		e.finishLocked(c, b, seq, err)
+		e.mu.Unlock()
+		switch {
+		case err == nil:
+			n++
+			record = false
+		case ctx.Err() != nil || errors.Is(err, ErrClosed):
+			return n, err
+		case errors.Is(err, transport.ErrClosed), errors.Is(err, transport.ErrDisconnected),
+			errors.Is(err, transport.ErrWriteTimeout), errors.Is(err, transport.ErrRemote):
+			// This consumer is going away; its receive loop drops it.
+		default:
+			return n, err
+		}
+	}
+	return n, nil
+}
+
+// BroadcastGrace is how long Broadcast waits for a consumer that keeps up
+// to make room for a buffer before it misses it.
+const BroadcastGrace = time.Second
+
+// roomLocked waits, within ctx and the broadcast's grace, for c to be able
+// to take b, and reports whether it can; one that cannot misses b and is
+// lagging. The grace starts at the first wait of the broadcast. mu held.
+func (e *Exporter) roomLocked(ctx context.Context, c *consumer, b *Buffer, deadline *time.Time) (bool, error) {
+	for {
+		if err := e.offerableLocked(b); err != nil {
+			return false, err
+		}
+		switch {
+		case !c.active:
+			return false, nil
+		case e.takesLocked(c, b):
+			c.lagging = false
+			return true, nil
+		case c.lagging:
+			e.stats.BroadcastMissed++
+			return false, nil
+		}
+		if deadline.IsZero() {
+			*deadline = time.Now().Add(BroadcastGrace)
+		}
+		wctx, cancel := context.WithDeadline(ctx, *deadline)
+		err := e.waitLocked(wctx, &e.creditWait)
+		cancel()
+		switch {
+		case ctx.Err() != nil:
+			return false, ctx.Err()
+		case err != nil && !errors.Is(err, context.DeadlineExceeded):
+			return false, err
+		case err != nil:
+			c.lagging = true
+			e.log.Warn("share: a consumer lags behind the broadcast; it misses buffers until it has room again",
+				"peer", c.peer.String(), "leases", c.out)
+		}
+	}
+}
+
+// takesLocked reports whether c can take a broadcast of b now.
+func (e *Exporter) takesLocked(c *consumer, b *Buffer) bool {
+	if !c.active || c.out >= e.capLocked(c) {
+		return false
+	}
+	if len(e.consumers) < 2 {
+		return true
+	}
+	if r := b.rec.ring; r != nil {
+		// Its leases in every allocation of the ring.
+		n := 0
+		for rec, m := range c.allocs {
+			if rec.ring == r {
+				n += m.leases
+			}
+		}
+		return 2*n < len(r.bufs)
+	}
+	m := c.allocs[b.rec]
+	if m == nil || m.leases == 0 {
+		return true
+	}
+	switch rec := b.rec; {
+	case rec.arena != nil:
+		return 2*(m.bytes+b.size) <= rec.size
+	}
+	return true
+}
+
+// own checks that b is a buffer of e.
+func (e *Exporter) own(b *Buffer) error {
+	if b == nil || b.e != e {
+		return errors.New("share: the buffer does not belong to this exporter")
+	}
+	return nil
+}
+
+// lendableLocked says why b cannot be lent now, if it cannot. mu held.
+func (e *Exporter) lendableLocked(b *Buffer) error {
+	if b.ring != nil && !b.held {
+		// Back in its ring: the next Acquire may hand it out to be
+		// rewritten while this lease would be read.
+		return fmt.Errorf("%w: ring buffer at offset %d of allocation %d went back to its ring; Acquire it again", ErrNotHeld, b.off, b.rec.id)
+	}
+	return e.offerableLocked(b)
+}
+
+// offerableLocked says why b cannot be offered, if it cannot. mu held.
+func (e *Exporter) offerableLocked(b *Buffer) error {
+	switch {
+	case e.closing:
+		return ErrClosed
+	case b.freed || b.freePending:
+		return ErrFreed
+	case b.rec.state != recLive:
+		return fmt.Errorf("%w: allocation %d", ErrRetired, b.rec.id)
+	}
+	return nil
+}
+
+// pickLocked returns the consumer to lend to next, or nil if none can
+// take a lease: of those below their cap, the one whose process holds the
+// fewest leases, after every one whose process holds none through a lost
+// connection (loadLocked), ties going round-robin. So a consumer that
+// stops releasing stops being picked once it holds more than the others,
+// and can never hold much more than its share of what is lent.
+func (e *Exporter) pickLocked() *consumer {
+	n := len(e.consumers)
+	var best *consumer
+	var bestLost bool
+	var bestLoad uint64
+	at := 0
+	for i := range n {
+		j := e.rr + i
+		if j >= n {
+			j -= n
+		}
+		c := e.consumers[j]
+		if c.out >= e.capLocked(c) {
+			continue
+		}
+		lost, load := c.loadLocked()
+		if best != nil && (lost && !bestLost || lost == bestLost && load >= bestLoad) {
+			continue
+		}
+		best, at, bestLost, bestLoad = c, j, lost, load
+		if !lost && load == 0 {
+			break
+		}
+	}
+	if best != nil {
+		e.rr = at + 1
+		if e.rr == n {
+			e.rr = 0
+		}
+	}
+	return best
+}
+
+// reserveLocked takes a credit of c and a lease slot for b.
+func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64, _ *mapping) {
+	var idx uint32
+	if n := len(c.freeSlots); n > 0 {
+		idx = c.freeSlots[n-1]
+		c.freeSlots = c.freeSlots[:n-1]
+	} else {
+		idx = uint32(len(c.slots))
+		c.slots = append(c.slots, leaseSlot{})
+	}
+	s := &c.slots[idx]
+	s.gen++
+	s.b = b
+	s.sent = false
+	s.epoch = e.epoch
+	c.addOut(1)
+	b.leases++
+	b.sending++
+	b.offers++
+	b.rec.sending++
+	e.stats.Leases++
+	m := c.allocs[b.rec]
+	if m == nil {
+		m = &mapping{}
+		c.allocs[b.rec] = m
+		b.rec.mappers[c] = struct{}{}
+	}
+	m.leases++
+	m.bytes += b.size
+	return uint64(s.gen)<<32 | uint64(idx), b.offers, m
+}
+
+// send records the event if asked, and queues the offer.
+func (e *Exporter) send(ctx context.Context, c *consumer, b *Buffer, m *mapping, seq, gen uint64, ev *expEvent, opts *OfferOptions, record bool) error {
+	if opts.Stream != nil {
+		if ev == nil {
+			var err error
+			if ev, err = e.bufferEvent(b); err != nil {
+				return err
+			}
+		}
+		if record {
+			if err := ev.ev.Record(opts.Stream); err != nil {
+				return fmt.Errorf("share: record the buffer's event: %w", err)
+			}
+		}
+	}
+	rec := b.rec
+	o := transport.Offer{
+		Seq: seq, AllocID: rec.id, Generation: gen, Handle: rec.handle, HandleKind: rec.kind,
+		AllocSize: rec.size, Offset: b.off, Size: b.size, Device: e.dev, Meta: opts.Meta,
+	}
+	if ev != nil && opts.Stream != nil {
+		o.Event, o.HasEvent = ev.h, true
+	}
+	if rec.kind != transport.HandleFD {
+		return c.conn.SendOffer(ctx, &o)
+	}
+	return e.sendFD(ctx, c, &o, m)
+}
+
+// finishLocked ends a reservation: on success the offer is out; on error
+// it was not queued and the lease is undone.
+func (e *Exporter) finishLocked(c *consumer, b *Buffer, seq uint64, err error) {
+	if err == nil {
+		e.stats.Offers++
+		e.stats.BytesOffered += b.size
+		if b.ring != nil && b.held {
+			b.offered = true
+		}
+		if i := slices.Index(c.voided, seq); i >= 0 {
+			// The consumer was lost while this offer was being sent, and
+			// the loss voided the lease without counting it: it ends
+			// here. (The consumer may have released it before: then it
+			// was counted then.)
+			c.voided = slices.Delete(c.voided, i, i+1)
+			e.stats.Releases++
+		} else if s := &c.slots[uint32(seq)]; !c.dropped && s.b == b && s.gen == uint32(seq>>32) {
+			s.sent = true
+		}
+	} else if !c.dropped {
+		idx := uint32(seq)
+		if s := &c.slots[idx]; s.b == b && s.gen == uint32(seq>>32) {
+			s.b = nil
+			c.freeSlots = append(c.freeSlots, idx)
+			c.addOut(-1)
+			b.leases--
+			e.stats.Leases--
+			e.unmapLeaseLocked(c, b)
+			e.notifyLocked(&e.creditWait)
+		}
+	}
+	e.unpinLocked(b)
+}
+
+// unpinLocked ends one in-flight send of b.
+func (e *Exporter) unpinLocked(b *Buffer) {
+	b.sending--
+	if b.rec.sending--; b.rec.sending == 0 && b.rec.state != recLive {
+		e.notifyLocked(&e.changed)
+	}
+	if b.leases == 0 && b.sending == 0 {
+		e.idleLocked(b)
+	}
+}
+
+// bufferEvent returns b's interprocess event, taking one from the pool or
+// creating one on first use.
+func (e *Exporter) bufferEvent(b *Buffer) (*expEvent, error) {
+	e.mu.Lock()
+	if ev := b.ev; ev != nil {
+		e.mu.Unlock()
+		return ev, nil
+	}
+	var ev *expEvent
+	if n := len(e.eventPool); n > 0 {
+		ev = e.eventPool[n-1]
+		e.eventPool = e.eventPool[:n-1]
+	}
+	e.mu.Unlock()
+	if ev == nil {
+		dev, err := e.dctx.NewEvent(driver.EventInterprocess | driver.EventDisableTiming)
+		if err != nil {
+			return nil, fmt.Errorf("share: create an interprocess event: %w", err)
+		}
+		h, err := dev.IpcHandle()
+		if err != nil {
+			dev.Close()
+			return nil, fmt.Errorf("share: interprocess event handle: %w", err)
+		}
+		ev = &expEvent{ev: dev, h: transport.IPCHandle(h)}
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if b.ev != nil {
+		e.eventPool = append(e.eventPool, ev)
+		return b.ev, nil
+	}
+	b.ev = ev
+	b.rec.evBufs[b] = struct{}{}
+	return ev, nil
+}
+
+// unleaseLocked ends one lease of b.
+func (e *Exporter) unleaseLocked(b *Buffer) {
+	b.leases--
+	e.stats.Leases--
+	if b.leases == 0 && b.sending == 0 {
+		e.idleLocked(b)
+	}
+}
+
+// idleLocked runs when b has no lease and no offer in flight: waiters
+// wake, a pending Free completes, a ring buffer that was offered goes back
+// to its ring.
+func (e *Exporter) idleLocked(b *Buffer) {
+	e.notifyLocked(&b.idle)
+	switch {
+	case b.freePending:
+		e.freeBufferLocked(b)
+	case b.ring != nil && b.held && b.offered:
+		b.held, b.offered = false, false
+		switch {
+		case b.successor != nil:
+			// Its allocation is being replaced: the successor takes its
+			// slot.
+			e.releaseAfterLocked(b)
+			b.ring.free <- b.successor
+			b.successor = nil
+			e.memberIdleLocked(b.rec)
+		case b.abandoned:
+			// Never written again; its slot was refilled (or could not be).
+			e.releaseAfterLocked(b)
+		default:
+			b.ring.free <- b // never blocks: the ring has room for all its buffers
+		}
+	}
+}
