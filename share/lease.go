@@ -164,6 +164,26 @@ func (l *Lease) Release() error {
 // waited. Work queued on it sees the producer's writes.
 func (l *Lease) Stream() *driver.Stream { return l.stream }
 
+// WaitOn makes stream s wait until the producer's writes of the buffer
+// are done, so that work queued on s afterwards may read it, whichever
+// stream the lease was made ready on: a handler that reads the lease on
+// streams of its own (one per decoder, say) calls WaitOn for each. It
+// queues a wait on the producer's event if the offer carried one, and
+// does nothing if the offer carried none (the buffer was complete when
+// offered) or s is the lease's own Stream. It never blocks the host.
+func (l *Lease) WaitOn(s *driver.Stream) error {
+	if l != nil && l.done.Load() {
+		return ErrReleased
+	}
+	if l == nil || s == nil || l.ev == nil || s == l.stream {
+		return nil
+	}
+	if err := s.WaitEvent(l.ev); err != nil {
+		return fmt.Errorf("share: make a stream wait for the producer's event: %w", err)
+	}
+	return nil
+}
+
 // ReleaseAfter gives the buffer back once the work queued on stream s so
 // far is done, without waiting for it: the last use of the buffer must be
 // queued on s. The producer's next write of the buffer waits for that work

@@ -4,6 +4,7 @@ package share_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -136,4 +137,55 @@ func TestVMMArenaAbandonedRange(t *testing.T) {
 	shutdown(t, e)
 	lost.Send("exit")
 	lost.Wait()
+}
+
+// TestLeaseWaitOn: a lease made ready on one stream can be read on
+// another after WaitOn, which queues a wait on the producer's event; after
+// Release it refuses.
+func TestLeaseWaitOn(t *testing.T) {
+	env := sharetest.Setup(t)
+	path := sharetest.SocketPath(t)
+	p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamStream, 1),
+		sharetest.EnvParam(sharetest.ParamCount, 4))
+	p.Expect("LISTENING")
+	ctx := sharetest.Ctx(t)
+	s1, err := env.Ctx.NewStream(true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s1.Close()
+	s2, err := env.Ctx.NewStream(true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s2.Close()
+	im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 4, Stream: s1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer im.Close()
+	for range 4 {
+		l, err := im.Next(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := l.WaitOn(s2); err != nil {
+			t.Fatalf("WaitOn: %v", err)
+		}
+		n, _ := sharetest.ParseMeta(l.Meta())
+		if err := sharetest.Check(env.Ctx, l.Ptr(), l.Size(), n); err != nil {
+			t.Fatal(err)
+		}
+		if err := l.WaitOn(nil); err != nil {
+			t.Fatalf("WaitOn(nil): %v", err)
+		}
+		l.Release()
+		if err := l.WaitOn(s2); !errors.Is(err, share.ErrReleased) {
+			t.Fatalf("WaitOn after Release: %v, want ErrReleased", err)
+		}
+	}
+	if err := im.Shutdown(ctx); err != nil {
+		t.Fatal(err)
+	}
+	p.Wait()
 }
