@@ -508,6 +508,12 @@ func (e *Exporter) watchLocked(c *consumer, pid int) {
 	if pid <= 0 {
 		c.unwatchable = true
 		e.stats.ConsumersUnwatched++
+		if e.sharing == SharingVMM {
+			// Its VMM allocations need no watch (PROTOCOL.md, section
+			// 7.1); only registered (legacy IPC) buffers wait on one.
+			e.log.Info("share: a consumer's process cannot be watched (its pid reads 0: another PID namespace); with VMM sharing the exporter's rings and arenas need no watch; registered (legacy IPC) buffers it may map are freed only after a goodbye", "peer", c.peer.String())
+			return
+		}
 		e.log.Warn("share: a consumer's process cannot be watched (unknown pid, another PID namespace?); what it may map is freed only after a goodbye", "peer", c.peer.String())
 		return
 	}
