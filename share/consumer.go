@@ -34,6 +34,13 @@ type consumer struct {
 	peer    transport.Peer
 	watches []*procWatch // processes that held the connection; Exporter.mu
 	proc    *procWatch   // the process that opened it (nil: unknown pid)
+	// noEvents: its SO_PEERCRED pid reads 0, so its PID namespace is
+	// neither this one nor below it (an ancestor's, or a sibling's: another
+	// container), where the driver may refuse legacy IPC handles,
+	// interprocess events included (PROTOCOL.md, section 4.1). Its offers
+	// carry no event: the producer waits for the buffer's event on the
+	// host before sending.
+	noEvents bool
 
 	// Guarded by Exporter.mu.
 	window, out uint64 // credits granted; offers not released
@@ -184,6 +191,8 @@ func (e *Exporter) acceptLoop() {
 			allocs: make(map[*allocRec]*mapping),
 			events: make(map[transport.IPCHandle]*consEvent),
 			done:   make(chan struct{}),
+			// Fixed for the connection: read without the lock.
+			noEvents: peer.PID == 0,
 		}
 		e.mu.Lock()
 		if e.closing {
@@ -499,6 +508,12 @@ func (e *Exporter) watchLocked(c *consumer, pid int) {
 	if pid <= 0 {
 		c.unwatchable = true
 		e.stats.ConsumersUnwatched++
+		if e.sharing == SharingVMM {
+			// Its VMM allocations need no watch (PROTOCOL.md, section
+			// 7.1); only registered (legacy IPC) buffers wait on one.
+			e.log.Info("share: a consumer's process cannot be watched (its pid reads 0: another PID namespace); with VMM sharing the exporter's rings and arenas need no watch; registered (legacy IPC) buffers it may map are freed only after a goodbye", "peer", c.peer.String())
+			return
+		}
 		e.log.Warn("share: a consumer's process cannot be watched (unknown pid, another PID namespace?); what it may map is freed only after a goodbye", "peer", c.peer.String())
 		return
 	}

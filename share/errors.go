@@ -22,6 +22,11 @@ var (
 	// the one this process maps under it (a reused handle or address).
 	// The stale mapping is never handed out.
 	ErrStaleHandle = errors.New("share: stale IPC handle")
+	// ErrIPCNamespace: the driver refused a legacy CUDA IPC handle
+	// (CUDA_ERROR_INVALID_CONTEXT, matched too) of a producer in a PID
+	// namespace beside this process's (another container), where legacy
+	// IPC does not work. A producer with VMM sharing works there.
+	ErrIPCNamespace = errors.New("share: legacy CUDA IPC handles do not open between processes in sibling PID namespaces (separate containers)")
 	// ErrRetired: the buffer's allocation is being retired or was retired;
 	// it can no longer be offered.
 	ErrRetired = errors.New("share: allocation retired")

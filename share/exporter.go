@@ -73,8 +73,8 @@ type ExporterStats struct {
 	ConsumersHandedOn uint64
 	// ConsumersUnwatched counts connections whose holding processes could
 	// not be found or watched (unknown pid, another PID namespace): what
-	// they may map is freed only after a goodbye, else never before the
-	// producer exits.
+	// they may map with legacy IPC is freed only after a goodbye, else
+	// never before the producer exits. VMM allocations wait on no watch.
 	ConsumersUnwatched uint64
 	// Abandoned counts buffers given up to a lost consumer that may still
 	// read them (VMM): never written again. AbandonedBytes is what of

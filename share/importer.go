@@ -164,8 +164,12 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 		failed:   make(map[uint64]error),
 		events:   make(map[transport.IPCHandle]*driver.Event),
 		relEvs:   make(map[*driver.Stream]*relEvent),
-		relEvOK:  conn.Peer().Caps&transport.CapReleaseEvents != 0,
-		pushAt:   max(1, int(cfg.Credits)/4),
+		// A producer whose SO_PEERCRED pid reads 0 runs in a PID
+		// namespace above this one or beside it (another container),
+		// where the driver may refuse to open our events: releases
+		// wait on the host instead (PROTOCOL.md, section 4.1).
+		relEvOK: conn.Peer().Caps&transport.CapReleaseEvents != 0 && conn.Peer().PID != 0,
+		pushAt:  max(1, int(cfg.Credits)/4),
 	}
 	im.pushTimer = time.AfterFunc(time.Hour, im.push)
 	im.pushTimer.Stop()

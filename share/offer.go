@@ -350,7 +350,14 @@ func (e *Exporter) send(ctx context.Context, c *consumer, b *Buffer, m *mapping,
 		AllocSize: rec.size, Offset: b.off, Size: b.size, Device: e.dev, Meta: opts.Meta,
 	}
 	if ev != nil && opts.Stream != nil {
-		o.Event, o.HasEvent = ev.h, true
+		if c.noEvents {
+			// It may not open our event: wait for it here instead.
+			if err := ev.ev.Synchronize(); err != nil {
+				return fmt.Errorf("share: wait for the buffer's event: %w", err)
+			}
+		} else {
+			o.Event, o.HasEvent = ev.h, true
+		}
 	}
 	if rec.kind != transport.HandleFD {
 		return c.conn.SendOffer(ctx, &o)

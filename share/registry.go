@@ -121,6 +121,13 @@ func (r *Registry) acquire(dctx *driver.Context, k *regKey, allocID, allocSize u
 		if errors.Is(err, driver.ErrPeerAccessUnsupported) {
 			return nil, fmt.Errorf("%w: memory on %s, importer on %s: %w", ErrPeerAccessUnsupported, k.src, k.dst, err)
 		}
+		if errors.Is(err, driver.ErrInvalidContext) && k.pid == 0 {
+			// The producer's pid reads 0: its PID namespace is not this
+			// one or below it. The driver opens handles of an ancestor's
+			// namespace, not a sibling's (PROTOCOL.md, section 4.1).
+			return nil, fmt.Errorf("%w: %w (allocation %d; the producer's pid reads 0 here: another PID namespace); run the producer with VMM sharing (-sharing vmm, ExporterConfig.Sharing = SharingVMM)",
+				ErrIPCNamespace, err, allocID)
+		}
 		return nil, fmt.Errorf("share: open IPC handle of allocation %d (memory on %s, importer on %s): %w", allocID, k.src, k.dst, err)
 	}
 	r.opens++

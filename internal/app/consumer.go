@@ -208,6 +208,13 @@ func (c *consumer) run(ctx context.Context, stdout io.Writer, showProgress bool)
 	}
 	c.rep.ProducerDevice = producerDevice(imp)
 	c.rep.SameDevice = c.rep.ProducerDevice == c.rep.DeviceUUID
+	if peer := imp.Producer(); peer.PID == 0 {
+		// SO_PEERCRED: the producer's PID namespace is above this one or
+		// beside it (another container). No events travel either way.
+		c.log.Info("connected; the producer runs in another PID namespace (its pid reads 0 here): the host waits for its writes and for this consumer's releases, no interprocess event is used", "producer", peer.String())
+	} else {
+		c.log.Debug("connected", "producer", peer.String())
+	}
 	if err := c.checkPeerAccess(imp); err != nil {
 		imp.Close()
 		return err

@@ -214,6 +214,8 @@ func explainEnd(path string, err error, batches uint64) (end string, _ error) {
 		return "protocol error", fail(ExitFailure, err, "the producer at %s sent a message this consumer cannot accept (malformed, or outside the protocol) after %d batches: a bug in the producer, or not a cudashare producer; this consumer hung up", path, batches)
 	case errors.Is(err, transport.ErrWriteTimeout):
 		return "producer stopped reading", fail(ExitProducerGone, err, "the producer at %s stopped reading this consumer's messages for longer than -write-timeout after %d batches (stopped or stuck); this consumer gave up", path, batches)
+	case errors.Is(err, share.ErrIPCNamespace):
+		return "error", fail(ExitFailure, err, "the producer at %s shares its buffers with legacy CUDA IPC, and legacy CUDA IPC handles do not open between processes in sibling PID namespaces (separate containers): CUDA_ERROR_INVALID_CONTEXT; run the producer with -sharing vmm (or CUDASHARE_SHARING=vmm), whose file descriptors cross PID namespaces", path)
 	case errors.Is(err, share.ErrProducerGone):
 		return "producer vanished", fail(ExitProducerGone, err, "the producer at %s went away without saying goodbye (killed or crashed) after %d batches", path, batches)
 	}

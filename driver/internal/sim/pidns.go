@@ -143,7 +143,10 @@ func holdPresence(dir string, self procID) error {
 	// is always locked while its process lives, so a sweep never takes it
 	// for a dead one's.
 	path := filepath.Join(dir, presenceName(selfNS(), self))
-	tmp := filepath.Join(dir, fmt.Sprintf(".%s%d-%d", presencePrefix, self.pid, self.start))
+	// The namespace is in the temporary name too: the first processes
+	// of two sibling namespaces are both pid 1, and may have started in
+	// the same clock tick.
+	tmp := filepath.Join(dir, "."+presenceName(selfNS(), self))
 	fd, err := unix.Open(tmp, unix.O_RDWR|unix.O_CREAT|unix.O_TRUNC|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0o600)
 	if err != nil {
 		return fmt.Errorf("sim presence file: %w", err)
