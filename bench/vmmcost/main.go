@@ -236,7 +236,7 @@ func costs(ctx context.Context, dctx *driver.Context, path string, size uint64, 
 			"close": "cuIpcCloseMemHandle, other process", "free": "cuMemFree"}
 	} else {
 		what = map[string]string{"alloc": "cuMemCreate + reserve, map, set access",
-			"map": "reserve, map, set access (exporter)",
+			"map":    "reserve, map, set access (exporter)",
 			"export": "cuMemExportToShareableHandle (fd)", "import": "cuMemImportFromShareableHandle, other process",
 			"cmap": "reserve, map, set access, other process", "open": "what a consumer pays to open: import + map",
 			"close": "unmap + release, other process", "free": "unmap + release"}
