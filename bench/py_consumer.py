@@ -67,6 +67,7 @@ def main():
     torch.cuda.set_device(dev)
     stream = torch.cuda.Stream(dev)
     acc = torch.zeros((), dtype=torch.int64, device=dev)
+    torch.cuda.synchronize(dev)  # acc is zero before stream (maybe non-blocking) adds to it
     want_sum = 0
     lat = []
     n = 0
