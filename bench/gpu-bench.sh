@@ -5,7 +5,8 @@
 # root, after scripts/gpu-test has built the binaries into .gpu/bin here:
 #
 #   bash bench/gpu-bench.sh [-seconds N] [-read-size SIZE] [-workers N]
-#   (with the device tool: run(command="bash bench/gpu-bench.sh -seconds 4", carry=[".gpu"]))
+#                           [-rows REGEX] [-sharing "ipc vmm"] [-no-costs]
+#   (with the device tool: run(command="bash bench/gpu-bench.sh -seconds 3", carry=[".gpu"]))
 #
 # Rows, each run for about -seconds (default 5); "same GPU" rows, then with
 # two GPUs the same with the consumer (stream C) on GPU 1:
@@ -15,24 +16,43 @@
 #              stream P fills and records, stream C waits (and with "copy"
 #              copies the buffer to a scratch buffer) and records, P waits
 #              before refilling; no IPC, no host wait per batch.
-#   cudashare  the example producer and consumer: the handoff alone
-#              (-fill=false, -verify none) with credits 1/1 worker, 8/1, 8/2,
-#              ring 64 credits 64 4 workers, and fresh 64 MiB from an arena;
-#              then a fill and an interprocess event per batch with -verify
-#              none, byte and async (stream-ordered copy and release; skipped
-#              with a note if the consumer has no such mode), ring of 8 x
-#              1 MiB and fresh 64 MiB, -workers (default 2), credits 8.
+#   cudashare  the example producer and consumer, each row twice, producer
+#              -sharing ipc (legacy CUDA IPC) and -sharing vmm (VMM
+#              allocations sent as fds), labels ending -ipc and -vmm: the
+#              handoff alone (-fill=false, -verify none) with credits 1/1
+#              worker, 8/1, 8/2, ring 64 credits 64 4 workers, and fresh
+#              64 MiB from an arena; then a fill and an interprocess event per
+#              batch with -verify none, byte and async (stream-ordered copy
+#              and release; skipped with a note if the consumer has no such
+#              mode), ring of 8 x 1 MiB and fresh 64 MiB, -workers (default
+#              2), credits 8.
+#   python     the Python consumer (python/, msgpack; PYTHONPATH .gpu/pylib
+#              if the python3 here lacks it) against the Go producer, ring of
+#              8 x 1 MiB, both sharing paths: python -m cudashare consume
+#              with the handoff alone; bench/py_consumer.py with torch work
+#              per batch (a tensor of the lease, a sum of 16 bytes into a
+#              device accumulator on the lease's stream, stream-ordered
+#              release, checked at the end), skipped where torch or a GPU is
+#              missing.
 #   cupy       bench/cupy_ipc.py: raw IPC handles over a multiprocessing Pipe,
 #              a hand-written open cache, 8 in flight: the handoff alone, then
 #              fill + interprocess event with and without a one-byte readback.
 #   torch      bench/torch_mp.py: torch.multiprocessing, fill + .item(), ring
 #              of 8 x 1 MiB and fresh 64 MiB, 8 in flight.
+#   costs      bench/vmmcost: alloc, export, open in another process, close,
+#              free, for both paths (8 MiB: a ring's allocation; 512 MiB: an
+#              arena's), and the first offer (Dial to first lease) of a ring
+#              and an arena (-no-costs leaves them out).
 #   read test  a consumer copies a whole shared buffer (default 1 GiB) against
 #              a local one on the same GPU.
-# One failing row does not stop the others. JSON lines go to $OUT/bench.jsonl,
-# logs to $OUT/*.log, the markdown table (bench/report.py) to $OUT/bench.md,
-# printed last. Exit 1 if any row failed (a skipped row is not a failure).
-# About 5 minutes at -seconds 4 on two GPUs (44 rows), 2.5 on one (25).
+# -rows REGEX runs only the rows whose label matches (bash =~, e.g.
+# 'ring-gpu00-(handoff-c8|verify)|torch|python'); -sharing "vmm" runs the
+# cudashare and python rows for one path only.
+# One failing row does not stop the others; every process has a timeout.
+# JSON lines go to $OUT/bench.jsonl, logs to $OUT/*.log, the markdown table
+# (bench/report.py) to $OUT/bench.md, printed last, with IPC and VMM side by
+# side. Exit 1 if any row failed (a skipped row is not a failure).
+# About 4 minutes at -seconds 3 on one GPU (42 rows), 7.5 on two (82).
 #
 # Without a GPU (or with CUDASHARE_DRIVER=sim) it runs on the simulated driver, with
 # -seconds 2 and a 64 MiB read test unless told otherwise, so that its plumbing
@@ -41,13 +61,16 @@ set -uo pipefail
 
 cd "$(dirname "$0")/.."
 cmdline="bash bench/gpu-bench.sh${*:+ $*}"
-secs= read_size= workers=2
+secs= read_size= workers=2 rows= sharings="ipc vmm" costs=yes
 while [ $# -gt 0 ]; do
 	case $1 in
 	-seconds) secs=$2; shift 2 ;;
+	-rows) rows=$2; shift 2 ;;
+	-sharing) sharings=$2; shift 2 ;;
+	-no-costs) costs=no; shift ;;
 	-read-size) read_size=$2; shift 2 ;;
 	-workers) workers=$2; shift 2 ;;
-	-h | -help | --help) sed -n '2,41p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+	-h | -help | --help) sed -n '2,59p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
 	*) echo "gpu-bench: unknown argument $1 (-h for help)" >&2; exit 2 ;;
 	esac
 done
@@ -60,14 +83,14 @@ trap 'rm -rf "$work"' EXIT
 
 # The binaries: CUDASHARE_BIN_DIR, else .gpu/bin, else built here if Go is.
 BIN=${CUDASHARE_BIN_DIR:-.gpu/bin}
-progs=(producer consumer cudashare floor limit)
+progs=(producer consumer cudashare floor limit vmmcost)
 missing=()
 for p in "${progs[@]}"; do [ -x "$BIN/$p" ] || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
 	if command -v go >/dev/null; then
 		echo "gpu-bench: $BIN lacks ${missing[*]}: building the binaries into $work/bin"
 		BIN=$work/bin
-		CGO_ENABLED=0 go build -o "$BIN/" ./examples/producer ./examples/consumer ./cmd/cudashare ./bench/floor ./bench/limit || exit 1
+		CGO_ENABLED=0 go build -o "$BIN/" ./examples/producer ./examples/consumer ./cmd/cudashare ./bench/floor ./bench/limit ./bench/vmmcost || exit 1
 	else
 		echo "gpu-bench: $BIN lacks ${missing[*]}; run scripts/gpu-test where Go is, and carry .gpu" >&2
 		exit 1
@@ -77,6 +100,14 @@ if ! command -v python3 >/dev/null; then
 	echo "gpu-bench: python3 is needed for CuPy, torch and the table" >&2
 	exit 1
 fi
+# The Python consumer needs msgpack: the python3 here, else the pure-Python
+# copy scripts/gpu-test puts in .gpu/pylib. PYCS is the environment of its rows.
+PYCS=(env "PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}")
+if ! python3 -c 'import msgpack' 2>/dev/null && [ -d .gpu/pylib/msgpack ]; then
+	PYCS=(env "PYTHONPATH=$PWD/python:$PWD/.gpu/pylib${PYTHONPATH:+:$PYTHONPATH}" MSGPACK_PUREPYTHON=1)
+fi
+pymsgpack=yes
+"${PYCS[@]}" python3 -c 'import msgpack' 2>/dev/null || pymsgpack=no
 
 # Which driver, how many GPUs. The simulator, if it runs, gets a state
 # directory of its own (the real driver ignores it).
@@ -108,6 +139,8 @@ async=no
 
 failed=0
 sock=$work/bench.sock
+# want LABEL: is the row selected by -rows?
+want() { [ -z "$rows" ] || [[ $1 =~ $rows ]]; }
 # report ...: bench/report.py appends the row's JSON line to bench.jsonl and
 # prints a short line.
 report() { python3 bench/report.py "$@" >>"$OUT/bench.jsonl"; }
@@ -133,6 +166,7 @@ tool() {
 	local meta=()
 	while [ "$1" != -- ]; do meta+=("$1"); shift; done
 	shift
+	want "$label" || return 0
 	echo "== $label"
 	timeout -k 10 $((secs * 4 + 180)) "$@" >"$OUT/$label.json" 2>"$OUT/$label.log"
 	local rc=$?
@@ -145,29 +179,54 @@ tool() {
 
 # ours LABEL DEVICE CONSUMER_DEVICE WORKERS CREDITS VERIFY WORK -- PRODUCER_ARGS...
 # WORK is the GPU work per batch, for the limit it is compared with: none,
-# fill (the producer's memset), fill+copy (and the consumer's copy).
+# fill (the producer's memset), fill+copy (and the consumer's copy). Runs the
+# row once per sharing path (-sharing), labelled LABEL-ipc and LABEL-vmm.
 ours() {
 	local label=$1 dev=$2 cdev=$3 w=$4 cr=$5 verify=$6 gwork=$7
 	shift 8
-	local ring size inflight
+	local sh
+	for sh in $sharings; do
+		pair "$label-$sh" "$dev" "$cdev" "$gwork" "$cr" "$sh" go verify="$verify" workers="$w" credits="$cr" -- \
+			"$BIN/consumer" -socket "$sock" -device "$cdev" -wait 60s -verify "$verify" -workers "$w" -credits "$cr" -json \
+			-- "$@"
+	done
+}
+
+# pair LABEL DEVICE CONSUMER_DEVICE WORK CREDITS SHARING CONSUMER_IMPL KEY=VALUE... -- CONSUMER... -- PRODUCER_ARGS...
+# runs the example producer (-sharing SHARING) and a consumer command, each
+# with a timeout; a consumer that fails or is skipped (exit 3) ends the
+# producer.
+pair() {
+	local label=$1 dev=$2 cdev=$3 gwork=$4 cr=$5 sh=$6 cimpl=$7
+	shift 7
+	want "$label" || return 0
+	local meta=() ccmd=()
+	while [ "$1" != -- ]; do meta+=("$1"); shift; done
+	shift
+	while [ "$1" != -- ]; do ccmd+=("$1"); shift; done
+	shift
+	local ring inflight
 	ring=$(python3 -c 'import sys; a=sys.argv[1:]; print(a[a.index("-ring")+1])' "$@")
 	inflight=$((cr < ring ? cr : ring))
 	echo "== $label"
 	local limit=$((secs * 2 + 120))
-	timeout -k 10 "$limit" "$BIN/producer" -socket "$sock" -device "$dev" -duration "${secs}s" \
+	timeout -k 10 "$limit" "$BIN/producer" -socket "$sock" -device "$dev" -duration "${secs}s" -sharing "$sh" \
 		-consumers 1 -wait 60s -json "$@" >"$OUT/$label.producer.json" 2>"$OUT/$label.producer.log" &
 	local ppid=$!
-	timeout -k 10 "$limit" "$BIN/consumer" -socket "$sock" -device "$cdev" -wait 60s -verify "$verify" \
-		-workers "$w" -credits "$cr" -json >"$OUT/$label.consumer.json" 2>"$OUT/$label.consumer.log"
+	timeout -k 10 "$limit" "${ccmd[@]}" >"$OUT/$label.consumer.json" 2>"$OUT/$label.consumer.log"
 	local cexit=$?
 	# A consumer that failed leaves the producer waiting for it: end it
 	# (timeout passes the signal on; the producer shuts down gracefully).
 	[ "$cexit" != 0 ] && kill -TERM "$ppid" 2>/dev/null
 	wait "$ppid"
 	local pexit=$?
+	if [ "$cexit" = 3 ] && grep -q '"skipped"' "$OUT/$label.consumer.json" 2>/dev/null; then
+		report skip "$label" "$(python3 -c 'import json,sys; print(json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])["skipped"])' "$OUT/$label.consumer.json" 2>/dev/null || echo "consumer exit 3")" \
+			impl="$cimpl" sharing="$sh" device="$dev" consumer_device="$cdev" in_flight="$inflight" gpu_work="$gwork" "${meta[@]}"
+		return 0
+	fi
 	report row "$label" "$OUT/$label.producer.json" "$OUT/$label.consumer.json" "$pexit" "$cexit" \
-		device="$dev" consumer_device="$cdev" verify="$verify" workers="$w" credits="$cr" \
-		in_flight="$inflight" gpu_work="$gwork"
+		device="$dev" consumer_device="$cdev" in_flight="$inflight" gpu_work="$gwork" sharing="$sh" consumer="$cimpl" "${meta[@]}"
 	if [ "$pexit" != 0 ] || [ "$cexit" != 0 ]; then
 		fail_tail "producer exit $pexit, consumer exit $cexit" "$OUT/$label.producer.log" "$OUT/$label.consumer.log"
 	fi
@@ -207,9 +266,12 @@ for pair in "${pairs[@]}"; do
 		else
 			sz=$MiB
 			[ $mode = fresh ] && sz=$((64 * MiB))
-			skip "cudashare-$mode-$g-verify-async" "the consumer has no -verify async yet (stream-ordered copy and release): not in \`consumer -h\`" \
-				impl=cudashare mode=$mode size=$sz ring=8 device="$d" consumer_device="$c" verify=async workers="$workers" \
-				credits=8 in_flight=8 gpu_work=fill+copy fill=true
+			for sh in $sharings; do
+				want "cudashare-$mode-$g-verify-async-$sh" || continue
+				skip "cudashare-$mode-$g-verify-async-$sh" "the consumer has no -verify async yet (stream-ordered copy and release): not in \`consumer -h\`" \
+					impl=cudashare mode=$mode size=$sz ring=8 device="$d" consumer_device="$c" verify=async workers="$workers" \
+					credits=8 in_flight=8 gpu_work=fill+copy fill=true sharing="$sh"
+			done
 		fi
 	done
 
@@ -222,14 +284,54 @@ for pair in "${pairs[@]}"; do
 	done
 	tool "torch-ring-$g" in_flight=8 gpu_work=fill -- python3 bench/torch_mp.py --seconds "$secs" --mode ring --size 1MiB --ring 8 --device "$d" --consumer-device "$c"
 	tool "torch-fresh-$g" in_flight=8 gpu_work=fill -- python3 bench/torch_mp.py --seconds "$secs" --mode fresh --size 64MiB --ring 8 --device "$d" --consumer-device "$c"
+
+	# The Python consumer (python/), ring of 8 x 1 MiB, credits 8, both paths:
+	# the handoff alone through python -m cudashare consume, then torch work
+	# per batch with stream-ordered release (bench/py_consumer.py).
+	for sh in $sharings; do
+		label="python-ring-$g-handoff-$sh"
+		if [ $pymsgpack = no ]; then
+			want "$label" && skip "$label" "no msgpack for python3 (Debian: python3-msgpack; or carry .gpu/pylib from scripts/gpu-test)" \
+				impl=cudashare-python sharing="$sh" device="$d" consumer_device="$c" in_flight=8 gpu_work=none mode=ring ring=8 size=$MiB
+		else
+			pair "$label" "$d" "$c" none 8 "$sh" python impl=cudashare-python verify=none workers=1 credits=8 -- \
+				"${PYCS[@]}" python3 -m cudashare consume --socket "$sock" --device "$c" --wait 60 --verify none \
+				--workers 1 --credits 8 -- -ring 8 -size 1MiB -fill=false
+		fi
+		label="python-ring-$g-torch-$sh"
+		if [ $pymsgpack = no ]; then
+			want "$label" && skip "$label" "no msgpack for python3" impl=cudashare-python+torch sharing="$sh" mode=ring ring=8 size=$MiB \
+				device="$d" consumer_device="$c" in_flight=8 gpu_work=fill+torch
+		else
+			pair "$label" "$d" "$c" fill+torch 8 "$sh" python+torch impl=cudashare-python+torch workers=1 credits=8 -- \
+				"${PYCS[@]}" python3 bench/py_consumer.py --socket "$sock" --device "$c" --wait 60 --credits 8 --work sum \
+				-- -ring 8 -size 1MiB
+		fi
+	done
 done
 
-if [ "$ngpus" -lt 2 ]; then
+# The costs of each sharing path (bench/vmmcost): same GPU, then across GPUs.
+if [ $costs = yes ]; then
+	for pair in "${pairs[@]}"; do
+		read -r d c <<<"$pair"
+		label=costs-gpu$d$c
+		want "$label" || continue
+		echo "== $label"
+		timeout -k 10 240 "$BIN/vmmcost" -device "$d" -consumer-device "$c" -paths "${sharings// /,}" \
+			-timeout 200s >"$OUT/$label.jsonl" 2>"$OUT/$label.log"
+		rc=$?
+		python3 bench/report.py costs "$label" "$OUT/$label.jsonl" "$rc" >>"$OUT/bench.jsonl"
+		[ $rc = 0 ] || fail_tail "exit $rc" "$OUT/$label.log"
+	done
+fi
+
+if [ "$ngpus" -lt 2 ] && want across-gpus; then
 	skip across-gpus "one GPU: the rows with the consumer on a second GPU (limit, cudashare, CuPy, torch) need two" device=0 consumer_device=1
 fi
 
 # The read test: one shared buffer, read whole, against a local one, same GPU.
 label=read-test-gpu00
+if want "$label"; then
 echo "== $label ($read_size)"
 timeout -k 10 600 "$BIN/producer" -socket "$sock" -device 0 -ring 1 -size "$read_size" -count 1 \
 	-shutdown-timeout 5m -wait 60s -json >"$OUT/$label.producer.json" 2>"$OUT/$label.producer.log" &
@@ -243,6 +345,7 @@ pexit=$?
 report row "$label" "$OUT/$label.producer.json" "$OUT/$label.consumer.json" "$pexit" "$cexit" device=0 consumer_device=0
 if [ "$pexit" != 0 ] || [ "$cexit" != 0 ]; then
 	fail_tail "producer exit $pexit, consumer exit $cexit" "$OUT/$label.producer.log" "$OUT/$label.consumer.log"
+fi
 fi
 
 python3 bench/report.py table "$OUT/bench.jsonl" "$OUT/env.txt" >"$OUT/bench.md"

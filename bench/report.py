@@ -13,12 +13,17 @@
       tool's line lacks.
   report.py skip LABEL REASON [KEY=VALUE...]
       prints one "skipped" line.
+  report.py costs LABEL VMMCOST_JSONL EXIT
+      prints bench/vmmcost's lines (the costs of each sharing path) tagged
+      with the group LABEL, or one "error" line if there are none.
   report.py table BENCH_JSONL [ENV_TXT]
       prints the markdown table: the command and the machine (from ENV_TXT),
       then each row's handoffs/s, latency, and its ratio to the floor (the
       bare socket with as many messages in flight), to the limit (the same
       GPU work in one process, for rows with GPU work) and to torch (same
-      mode, size and GPUs); then the read test and notes.
+      mode, size and GPUs); then the cudashare and Python rows with legacy
+      IPC and VMM side by side, the costs of each path, the read test and
+      notes.
 """
 import json
 import sys
@@ -27,6 +32,9 @@ import sys
 HANDOFF_TARGET = 300000
 TORCH_TARGETS = {"ring": 100.0, "fresh": 30.0}
 READ_TARGET = 1.05
+# The Python consumer issue: with torch work per batch, ring of 8 x 1 MiB.
+PY_TORCH_TARGET = 20.0
+SHARINGS = ("ipc", "vmm")
 
 
 def last_json(path):
@@ -86,8 +94,11 @@ def row(label, pjson, cjson, pexit, cexit, *meta):
         out["consumer_device"] = c.get("device")
         out["same_device"] = c.get("same_device")
     if p:
-        for k in ("mode", "ring", "size", "device", "event", "fill"):
+        asked = out.get("sharing")
+        for k in ("mode", "ring", "size", "device", "event", "fill", "sharing"):
             out[k] = p.get(k)
+        if asked and p.get("sharing") and p["sharing"] != asked:
+            out["error"] = "asked for -sharing %s, the producer took %s: %s" % (asked, p["sharing"], p.get("sharing_why"))
         out["producer_batches_per_s"] = p.get("batches_per_s")
         out["allocations_left"] = p.get("allocations_left")
     errs = []
@@ -96,7 +107,7 @@ def row(label, pjson, cjson, pexit, cexit, *meta):
     if cerr or cexit != "0":
         errs.append("consumer exit %s: %s" % (cexit, (c or {}).get("error") or cerr or ""))
     if errs:
-        out["error"] = "; ".join(errs)
+        out["error"] = "; ".join(errs + ([out["error"]] if out.get("error") else []))
     emit(out)
 
 
@@ -113,6 +124,35 @@ def tool(label, path, exitcode, *meta):
     if not t or (exitcode not in ("0", "3") and "error" not in out):
         out["error"] = "exit %s: %s" % (exitcode, out.get("error") or err or "see the log")
     emit(out)
+
+
+def costs(label, path, exitcode):
+    n = 0
+    try:
+        with open(path) as f:
+            for l in f:
+                l = l.strip()
+                if not l.startswith("{"):
+                    continue
+                try:
+                    r = json.loads(l)
+                except ValueError:
+                    continue
+                r["group"] = label
+                r["row"] = "%s-%s" % (label, r.get("row", "?"))
+                r.setdefault("impl", "vmmcost")
+                print(json.dumps(r))
+                n += 1
+                if r.get("error"):
+                    sys.stderr.write("   %s: error: %s\n" % (r["row"], r["error"]))
+    except OSError as e:
+        sys.stderr.write("   %s\n" % e)
+    if n == 0:
+        print(json.dumps({"row": label, "impl": "vmmcost", "group": label,
+                          "error": "exit %s: no JSON line (see %s.log)" % (exitcode, label)}))
+        sys.stderr.write("   error: exit %s, no output\n" % exitcode)
+    else:
+        sys.stderr.write("   %d cost lines, exit %s\n" % (n, exitcode))
 
 
 def skip(label, why, *meta):
@@ -185,6 +225,10 @@ def work(r):
         return "fill + %s, readback %s" % ("event" if r.get("sync", "event") == "event" else "host sync", r.get("verify", "?"))
     if impl == "torch.multiprocessing":
         return "fill + host sync, .item()"
+    if impl == "cudashare-python":
+        return "none: the handoff alone (python -m cudashare consume)"
+    if impl == "cudashare-python+torch":
+        return "fill + event; torch sum of 16 B, stream-ordered release"
     return r.get("gpu_work") or "-"
 
 
@@ -226,6 +270,8 @@ def table(path, env=None):
     print("| row | impl | buffers | GPUs | GPU work per batch | in flight | handoffs/s | p50 µs | p99 µs | x floor | x limit | x torch |")
     print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     notes, targets, drains = [], [], []
+    costs_rows = [r for r in rows if r.get("impl") == "vmmcost"]
+    rows = [r for r in rows if r.get("impl") != "vmmcost"]
     for r in rows:
         if "read_test" in r or r.get("row", "").startswith("read"):
             continue
@@ -257,6 +303,9 @@ def table(path, env=None):
             if t and rate:
                 xt = ratio(rate / t)
                 want = TORCH_TARGETS.get(r.get("mode"))
+                if impl == "cudashare-python+torch" and r.get("mode") == "ring":
+                    targets.append("%s: %s torch (target >= %.0fx): %s" % (r["row"], xt, PY_TORCH_TARGET,
+                                                                          "met" if rate / t >= PY_TORCH_TARGET else "MISSED"))
                 if impl == "cudashare" and want and r.get("gpu_work") != "none":
                     targets.append("%s: %s torch (target >= %.0fx): %s" % (r["row"], xt, want, "met" if rate / t >= want else "MISSED"))
         if impl == "cudashare" and r.get("gpu_work") == "none" and in_flight(r) == 64:
@@ -264,6 +313,8 @@ def table(path, env=None):
                                                              "met" if rate >= HANDOFF_TARGET else "MISSED"))
         cells += [fmt(rate), fmt(r.get("p50_us"), 1), fmt(r.get("p99_us"), 1), xf, xl, xt]
         print("| " + " | ".join(cells) + " |")
+    sharing_table(rows, torch, ok)
+    cost_table(costs_rows)
     for r in rows:
         if "read_test" not in r and not r.get("row", "").startswith("read"):
             continue
@@ -298,6 +349,145 @@ def table(path, env=None):
         print("- " + n)
 
 
+def split_sharing(label):
+    for sh in SHARINGS:
+        if label.endswith("-" + sh):
+            return label[:-len(sh) - 1], sh
+    return None, None
+
+
+def sharing_table(rows, torch, ok):
+    """The cudashare and Python rows run for both paths, side by side."""
+    pairs, order = {}, []
+    for r in rows:
+        base, sh = split_sharing(r.get("row", ""))
+        if not base:
+            continue
+        if base not in pairs:
+            pairs[base] = {}
+            order.append(base)
+        pairs[base][sh] = r
+    if not order:
+        return
+    print()
+    print("Legacy CUDA IPC and VMM (fds) side by side (the rows above, by sharing path):")
+    print()
+    print("| row | buffers | GPUs | GPU work per batch | in flight | IPC handoffs/s | VMM handoffs/s | VMM / IPC "
+          "| IPC p99 µs | VMM p99 µs | IPC x torch | VMM x torch |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for base in order:
+        p = pairs[base]
+        any_r = p.get("ipc") or p.get("vmm")
+        cells = [base, bufs(any_r), gpus(any_r), work(any_r), fmt(in_flight(any_r))]
+        rates, p99s, xts = [], [], []
+        for sh in SHARINGS:
+            r = p.get(sh)
+            if r is None:
+                rates.append(None); p99s.append("-"); xts.append("-")
+                continue
+            if not ok(r):
+                rates.append(None); p99s.append("skipped" if r.get("skipped") else "FAILED"); xts.append("-")
+                continue
+            rates.append(r["handoffs_per_s"])
+            p99s.append(fmt(r.get("p99_us"), 1))
+            t = torch.get((r.get("mode"), r.get("size"), r.get("device"), r.get("consumer_device")))
+            xts.append(ratio(r["handoffs_per_s"] / t) if t else "-")
+        rel = ratio(rates[1] / rates[0]) if rates[0] and rates[1] else "-"
+        def cell(i):
+            if rates[i] is not None:
+                return fmt(rates[i])
+            return p99s[i] if p99s[i] in ("skipped", "FAILED") else "-"
+        cells += [cell(0), cell(1), rel,
+                  p99s[0] if rates[0] is not None else "", p99s[1] if rates[1] is not None else "", xts[0], xts[1]]
+        print("| " + " | ".join(cells) + " |")
+
+
+def cost_table(rows):
+    """bench/vmmcost's lines: each cost for both paths, then the first offer."""
+    if not rows:
+        return
+    groups = []
+    for r in rows:
+        if r.get("group") not in groups:
+            groups.append(r.get("group"))
+    for g in groups:
+        rs = [r for r in rows if r.get("group") == g]
+        head = [r for r in rs if not r.get("op")]
+        print()
+        if head:
+            print("%s: FAILED: %s" % (g, head[0].get("error") or head[0].get("skipped")))
+            continue
+        r0 = rs[0]
+        print("Costs of sharing one allocation (%s, bench/vmmcost, driver %s, GPU %s; median µs of n, "
+              "[min-max], first rep in parentheses):" % (g, r0.get("driver"), gpus(r0)))
+        print()
+        print("| op | size | legacy IPC | µs | VMM | µs | VMM / IPC |")
+        print("| --- | --- | --- | ---: | --- | ---: | ---: |")
+        keys, by = [], {}
+        for r in rs:
+            op = r.get("op", "")
+            if op.startswith("first-offer"):
+                continue
+            k = (op, r.get("size"))
+            if k not in by:
+                by[k] = {}
+                keys.append(k)
+            by[k][r.get("path")] = r
+        opord = ["alloc", "map", "export", "import", "consumer-map", "open", "close", "free"]
+        keys.sort(key=lambda k: (k[1] or 0, opord.index(k[0]) if k[0] in opord else len(opord)))
+        for k in keys:
+            d = by[k]
+            c = [k[0], size(k[1])]
+            vals = []
+            for sh in SHARINGS:
+                r = d.get(sh)
+                if r is None:
+                    c += ["-", "-"]
+                    vals.append(None)
+                elif r.get("error"):
+                    c += [r.get("what", ""), "FAILED: %s" % r["error"]]
+                    vals.append(None)
+                else:
+                    c += [r.get("what", ""), "%s [%s-%s] (%s), n %d" % (fmt(r["median_us"], 1), fmt(r["min_us"], 1),
+                                                                         fmt(r["max_us"], 1), fmt(r["first_us"], 1), r["n"])]
+                    vals.append(r["median_us"])
+            c.append(ratio(vals[1] / vals[0]) if vals[0] and vals[1] else "-")
+            print("| " + " | ".join(c) + " |")
+        fo = [r for r in rs if r.get("op", "").startswith("first-offer")]
+        if not fo:
+            continue
+        print()
+        print("First offer through cudashare (a fresh consumer process per rep; median µs [min-max]):")
+        print()
+        print("| buffers | measure | legacy IPC µs | VMM µs | VMM / IPC |")
+        print("| --- | --- | ---: | ---: | ---: |")
+        keys, by = [], {}
+        for r in fo:
+            k = r["op"].replace("first-offer-", "")
+            if k not in by:
+                by[k] = {}
+                keys.append(k)
+            by[k][r.get("path")] = r
+        for k in keys:
+            d = by[k]
+            any_r = d.get("ipc") or d.get("vmm")
+            what = any_r.get("what", "")
+            buf, _, meas = what.partition(": ")
+            c = [buf, meas]
+            vals = []
+            for sh in SHARINGS:
+                r = d.get(sh)
+                if r is None:
+                    c.append("-"); vals.append(None)
+                elif r.get("error"):
+                    c.append("FAILED: %s" % r["error"]); vals.append(None)
+                else:
+                    c.append("%s [%s-%s]" % (fmt(r["median_us"], 1), fmt(r["min_us"], 1), fmt(r["max_us"], 1)))
+                    vals.append(r["median_us"])
+            c.append(ratio(vals[1] / vals[0]) if vals[0] and vals[1] else "-")
+            print("| " + " | ".join(c) + " |")
+
+
 def main(argv):
     if len(argv) >= 6 and argv[0] == "row":
         row(*argv[1:])
@@ -305,6 +495,8 @@ def main(argv):
         tool(*argv[1:])
     elif len(argv) >= 3 and argv[0] == "skip":
         skip(*argv[1:])
+    elif len(argv) == 4 and argv[0] == "costs":
+        costs(*argv[1:])
     elif len(argv) in (2, 3) and argv[0] == "table":
         table(*argv[1:])
     else:

@@ -170,7 +170,11 @@ class Consumer:
                 raise Timeout("handshake with %s: no hello-ack within %.1fs" % (self.path, timeout))
             self._sock.settimeout(left)
             try:
-                if not self._rd.fill(accept_fds=False):
+                # The hello advertised CAP_FDS: the producer's first offer
+                # may follow the hello-ack at once, its descriptor arriving
+                # in this same read. It is queued for the offer to claim
+                # (check_partial closes any that none claims).
+                if not self._rd.fill(accept_fds=True):
                     raise ProducerGone("%s closed the connection during the handshake" % self.path)
             except socket.timeout:
                 raise Timeout("handshake with %s: no hello-ack within %.1fs" % (self.path, timeout))

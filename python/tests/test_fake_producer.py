@@ -289,3 +289,30 @@ def test_offers_read_with_the_hello_ack(fake):
     time.sleep(1)  # past the frame timeout: a buffered whole frame is no half frame
     c.next(timeout=1).release()
     c.close(timeout=0.5)
+
+
+def test_offer_with_fd_read_with_the_hello_ack(fake):
+    """The first offer's descriptor may arrive in the handshake's read,
+    together with the hello-ack (the Go producer offers as soon as the
+    consumer is connected): it is the offer's, not a protocol error."""
+    f = fake()
+    f.lsock.settimeout(5)
+    fd = sim_memfd(MiB2, 9)
+
+    def serve():
+        f.conn, _ = f.lsock.accept()
+        f.conn.settimeout(5)
+        f.hello = f.recv()
+        from fakeproducer import frame
+        offer = [3, 1, 1, 1, (1).to_bytes(8, "little") + bytes(56), MiB2, 0, 4096, b"\xaa" * 16, None, None, 1, 1]
+        f.raw(frame([2, 1, 1, os.getpid(), os.urandom(16), [], 1, 0]) + frame(offer), fds=[fd])
+    import threading
+    t = threading.Thread(target=serve)
+    t.start()
+    c = cudashare.connect(f.path, backend="sim")
+    t.join()
+    os.close(fd)
+    l = c.next(timeout=5)
+    assert bytes(l.host()[:4]) == b"\x09" * 4
+    l.release()
+    c.close(timeout=0.5)

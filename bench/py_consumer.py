@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""bench/py_consumer.py: the Python consumer with torch work per batch, for
+bench/gpu-bench.sh and bench/python-gpu-check.sh.
+
+Against the Go example producer (ring or fresh, with -fill: every byte of
+batch n is n % 251 + 1, PROTOCOL.md 4.2), for each lease: a tensor of the
+lease with no copy (DLPack, the consumer's stream made to wait on the
+producer's event), a small torch op on that stream, and a stream-ordered
+release (lease.release(stream=...)): no host sync per batch.
+
+  --work sum    (default) sums the first --bytes bytes of the batch into a
+                device accumulator; at the end the accumulator is compared
+                with the sum the batch numbers say (one host sync, at the
+                end): the benchmark row.
+  --work full   checks every byte of every batch on the GPU ((x != want)
+                summed into a device counter): the correctness check.
+
+Prints one JSON line with the keys of the Go consumer's report
+(handoffs_per_s, p50_us, p99_us, verified, verify_errors, driver, ...).
+Exit 0 ok, 1 wrong data or failure, 3 skipped (no torch, no GPU for torch,
+no CUDA backend; the line says why), 4 no producer.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(here, "..", "python"))
+
+
+def out(rep, code):
+    sys.stdout.write(json.dumps(rep, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+    return code
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--credits", type=int, default=8)
+    ap.add_argument("--work", choices=["sum", "full"], default="sum")
+    ap.add_argument("--bytes", type=int, default=16, help="--work sum: bytes of each batch summed")
+    ap.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the producer's socket")
+    ap.add_argument("--batches", type=int, default=0, help="stop after this many (0: until the producer ends)")
+    a = ap.parse_args()
+    rep = {"role": "consumer", "impl": "cudashare-python+torch", "device": a.device, "credits": a.credits,
+           "workers": 1, "verify": "torch-" + a.work, "handoffs": 0, "seconds": 0.0, "handoffs_per_s": 0.0,
+           "verified": 0, "verify_errors": 0, "errors": 0, "mappings": 0, "exit": 0}
+    try:
+        import torch
+    except ImportError as e:
+        rep["skipped"] = "no torch here (%s)" % e
+        return out(rep, 3)
+    try:
+        import cudashare
+    except ImportError as e:
+        rep["skipped"] = "the cudashare package does not import (%s): is msgpack installed?" % e
+        return out(rep, 3)
+    if not torch.cuda.is_available():
+        rep["skipped"] = "torch sees no GPU"
+        return out(rep, 3)
+    dev = torch.device("cuda", a.device)
+    torch.cuda.set_device(dev)
+    stream = torch.cuda.Stream(dev)
+    acc = torch.zeros((), dtype=torch.int64, device=dev)
+    torch.cuda.synchronize(dev)  # acc is zero before stream (maybe non-blocking) adds to it
+    want_sum = 0
+    lat = []
+    n = 0
+    t0 = t1 = None
+    try:
+        c = cudashare.connect(a.socket, device=a.device, credits=a.credits, backend="cuda", wait=a.wait,
+                              handle_sigterm=True)
+    except (FileNotFoundError, ConnectionRefusedError) as e:
+        rep.update(error="no producer at %s: %s" % (a.socket, e), exit=4)
+        return out(rep, 4)
+    except cudashare.NotSupported as e:
+        rep["skipped"] = "no CUDA backend for the Python consumer: %s" % e
+        return out(rep, 3)
+    rep["driver"] = c.backend
+    end = "producer said goodbye"
+    try:
+        with torch.cuda.stream(stream):
+            for lease in c:
+                now = time.monotonic_ns()
+                if t0 is None:
+                    t0 = now
+                m = lease.meta if isinstance(lease.meta, dict) else {}
+                batch, sent = m.get("batch"), m.get("t")
+                if not isinstance(batch, int):
+                    rep["verify_errors"] += 1
+                    lease.release()
+                    continue
+                if isinstance(sent, int):
+                    lat.append(now - sent)
+                x = torch.from_dlpack(lease.__dlpack__(stream=stream.cuda_stream))  # no copy
+                if x.dtype != torch.uint8:
+                    x = x.view(torch.uint8) if x.is_contiguous() else x
+                x = x.reshape(-1)
+                want = batch % 251 + 1
+                if a.work == "sum":
+                    k = min(a.bytes, x.numel())
+                    acc += x[:k].sum(dtype=torch.int64)
+                    want_sum += k * want
+                else:
+                    acc += (x != want).sum()
+                del x
+                lease.release(stream=stream)  # after the op queued on stream: no host wait
+                n += 1
+                t1 = time.monotonic_ns()
+                if a.batches and n >= a.batches:
+                    end = "count"
+                    break
+        stream.synchronize()
+    except cudashare.ProducerGone as e:
+        end = "producer vanished"
+        rep.update(error=str(e), exit=5)
+    except cudashare.CudashareError as e:
+        end = "error"
+        rep.update(error="%s: %s" % (type(e).__name__, e), exit=1)
+    finally:
+        st = c.stats()
+        c.close()
+    got = int(acc.item())
+    rep["end"] = end
+    rep["handoffs"] = n
+    rep["mappings"] = st.get("mappings", 0)
+    rep["ordered_releases"] = st.get("ordered_releases")
+    if a.work == "sum":
+        ok = got == want_sum
+        rep["check"] = "sum of the first %d bytes of every batch: %d, want %d" % (a.bytes, got, want_sum)
+    else:
+        ok = got == 0
+        rep["check"] = "every byte of every batch: %d wrong" % got
+    if n:
+        rep["verified" if ok else "verify_errors"] += n
+    if t0 is not None and t1 is not None and t1 > t0 and n > 1:
+        rep["seconds"] = round((t1 - t0) / 1e9, 3)
+        rep["handoffs_per_s"] = round(n / ((t1 - t0) / 1e9), 1)
+    if lat:
+        lat.sort()
+        rep["p50_us"] = round(lat[len(lat) // 2] / 1e3, 1)
+        rep["p99_us"] = round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] / 1e3, 1)
+        rep["max_us"] = round(lat[-1] / 1e3, 1)
+    if not ok and not rep.get("error"):
+        rep.update(error="wrong data: " + rep["check"], exit=1)
+    if n == 0 and not rep.get("error"):
+        rep.update(error="no batch received", exit=1)
+    return out(rep, rep["exit"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
