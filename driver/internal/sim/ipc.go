@@ -318,7 +318,7 @@ func (d *Driver) IpcGetEventHandle(handle *api.IpcEventHandle, event api.Event) 
 	if e.flags&api.EventInterprocess == 0 {
 		return api.ErrorInvalidHandle
 	}
-	handle.Reserved = d.encodeIPC(ipcFields{kind: ipcKindEvent, id: e.serial, origin: e.origin})
+	handle.Reserved = d.encodeIPC(ipcFields{kind: ipcKindEvent, id: e.serial, origin: e.origin, ns: selfNS()})
 	return api.Success
 }
 
@@ -347,7 +347,10 @@ func (d *Driver) IpcOpenEventHandle(event *api.Event, handle api.IpcEventHandle)
 	if !ok {
 		return api.ErrorMapFailed
 	}
-	if f.origin == d.self {
+	// The process identity includes the PID namespace: the first
+	// processes of two sibling namespaces can share pid, instance and
+	// start tick.
+	if f.origin == d.self && f.ns == selfNS() {
 		return api.ErrorInvalidContext
 	}
 	e, r := d.newEvent(cur, api.EventDisableTiming|api.EventInterprocess, f.origin, f.id)
