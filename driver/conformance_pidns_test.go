@@ -87,11 +87,10 @@ func pidnsCases() []confCase {
 				}
 				return r
 			}},
-		// Unmeasured on real hardware until this case runs there: the
-		// simulator opens events between siblings (it refuses only memory
-		// handles there); the share package sends none to a peer whose
-		// pid reads 0 until this is known.
-		{fn: "cuIpcOpenEventHandle", code: api.Success, what: "event exporter and importer in sibling PID namespaces (two containers)",
+		// Measured on an H100 (driver 580): refused like memory handles,
+		// so the share package sends no event to a peer whose pid reads 0
+		// (a namespace not below its own).
+		{fn: "cuIpcOpenEventHandle", code: api.ErrorInvalidContext, what: "event exporter and importer in sibling PID namespaces (two containers)",
 			run: func(t *testing.T, e *confEnv) api.Result {
 				e.needDevices(t, 1)
 				needUnshare(t)

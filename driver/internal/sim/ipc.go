@@ -325,8 +325,8 @@ func (d *Driver) IpcGetEventHandle(handle *api.IpcEventHandle, event api.Event) 
 // IpcOpenEventHandle implements api.API. The opened event belongs to the
 // current context and, work being synchronous, is always complete. A
 // malformed handle (all-zero or random) is CUDA_ERROR_MAP_FAILED, and
-// opening in the exporting process CUDA_ERROR_INVALID_CONTEXT (both
-// measured). Whether the exporter still lives, or still has the event, is
+// opening in the exporting process, or in a sibling PID namespace of the
+// exporter's, CUDA_ERROR_INVALID_CONTEXT (all measured). Whether the exporter still lives, or still has the event, is
 // not checked (unverified: the real driver may refuse).
 func (d *Driver) IpcOpenEventHandle(event *api.Event, handle api.IpcEventHandle) api.Result {
 	if r := d.ready(); r != api.Success {
@@ -351,6 +351,11 @@ func (d *Driver) IpcOpenEventHandle(event *api.Event, handle api.IpcEventHandle)
 	// processes of two sibling namespaces can share pid, instance and
 	// start tick.
 	if f.origin == d.self && f.ns == selfNS() {
+		return api.ErrorInvalidContext
+	}
+	if !nsRelated(f.ns) {
+		// Sibling PID namespaces (two containers): refused as memory
+		// handles are (measured on an H100, driver 580).
 		return api.ErrorInvalidContext
 	}
 	e, r := d.newEvent(cur, api.EventDisableTiming|api.EventInterprocess, f.origin, f.id)
