@@ -122,7 +122,22 @@ class SimBackend:
 # --- the real driver -------------------------------------------------------
 
 class _Handle64(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    """CUipcMemHandle / CUipcEventHandle: 64 opaque bytes passed by value.
+
+    Eight 64-bit words, not ``c_char * 64``: ctypes passes a struct holding an
+    array by value wrongly on x86-64 with some Python versions (CPython issue
+    22273; measured on an H100: the driver saw a zero handle, INVALID_VALUE
+    for memory and MAP_FAILED for events), and reading a ``c_char`` array
+    back stops at the first zero byte."""
+
+    _fields_ = [("w%d" % i, ctypes.c_uint64) for i in range(8)]
+
+    @classmethod
+    def of(cls, b):
+        return cls.from_buffer_copy(bytes(b).ljust(64, b"\0")[:64])
+
+    def raw(self):
+        return ctypes.string_at(ctypes.addressof(self), 64)
 
 
 class _UUID(ctypes.Structure):
@@ -241,7 +256,7 @@ class CudaBackend:
     def open(self, offer, fds):
         if offer.handle_kind == wire.HANDLE_CUDA_IPC:
             p = _U64()
-            self.call("cuIpcOpenMemHandle_v2", ctypes.byref(p), _Handle64(offer.handle),
+            self.call("cuIpcOpenMemHandle_v2", ctypes.byref(p), _Handle64.of(offer.handle),
                       CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
             return Mapping(offer.alloc_id, offer.handle_kind, p.value, offer.alloc_size, offer.handle)
         fd = fds[0]
@@ -284,7 +299,7 @@ class CudaBackend:
 
     def open_event(self, handle):
         ev = _P()
-        self.call("cuIpcOpenEventHandle", ctypes.byref(ev), _Handle64(handle))
+        self.call("cuIpcOpenEventHandle", ctypes.byref(ev), _Handle64.of(handle))
         return ev.value
 
     def wait_event(self, ev, stream):
@@ -305,7 +320,7 @@ class CudaBackend:
         except BaseException:
             self.fn["cuEventDestroy_v2"](ev.value)
             raise
-        return ev.value, bytes(h.reserved).ljust(64, b"\0")
+        return ev.value, h.raw()
 
     def record(self, ev, stream):
         self.call("cuEventRecord", ev, stream)
