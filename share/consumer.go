@@ -58,6 +58,7 @@ type consumer struct {
 	kicked      bool                               // the exporter dropped it for cause
 	lagging     bool                               // it missed a broadcast, and has not had room since
 	dropped     bool                               // forgotten: nothing it held counts
+	abandoned   int                                // VMM buffers given up to it when it was lost
 
 	done chan struct{} // closed when its connection has ended
 
@@ -124,7 +125,7 @@ func (c *consumer) addOut(d int) {
 // process holds through all its connections.
 func (c *consumer) loadLocked() (lost bool, leases uint64) {
 	if c.proc != nil {
-		return c.proc.lost > 0, uint64(c.proc.leases)
+		return c.proc.lost > 0 || c.proc.abandoned > 0, uint64(c.proc.leases)
 	}
 	return false, c.out
 }
@@ -433,6 +434,9 @@ func (e *Exporter) onGone(c *consumer, err error) {
 		e.releaseVMMLocked(c)
 	}
 	switch {
+	case c.abandoned > 0 && !c.unwatchable && !e.holdersGoneLocked(c):
+		// It holds nothing now, but its process is served last while it
+		// lives (procWatch.abandoned): keep watching it.
 	case clean || !c.holdsLocked() || e.holdersGoneLocked(c):
 		e.dropLocked(c)
 	case c.unwatchable:

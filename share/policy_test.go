@@ -86,11 +86,18 @@ func TestOfferFairShare(t *testing.T) {
 // it took while it lives (it may still map it); picking by the leases of
 // the whole process, lost connections included, keeps it from taking more
 // than its share, and the good consumer is served throughout.
-func TestGrabbingProcessCannotPinTheRing(t *testing.T) {
+//
+// With VMM nothing stays pinned (what the grabber held is replaced), and
+// the process is served last all the same while it lives, so that it
+// makes the producer replace memory only when the good consumer cannot
+// take a buffer.
+func TestGrabbingProcessCannotPinTheRing(t *testing.T) { bothPaths(t, testGrabbingProcess) }
+
+func testGrabbingProcess(t *testing.T, sharing share.Sharing) {
 	env := sharetest.Setup(t)
 	mem := env.FreeMemory(t)
 	defer env.CheckMemory(t, mem)
-	e := newExporter(t, env)
+	e := newExporterWith(t, env, share.ExporterConfig{Sharing: sharing})
 	good := startConsumer(t, e)
 	ctx := sharetest.Ctx(t)
 	if err := e.WaitConsumers(ctx, 1); err != nil {
@@ -122,7 +129,9 @@ func TestGrabbingProcessCannotPinTheRing(t *testing.T) {
 	// the loop above kept offering to the good consumer throughout (with
 	// round-robin picks it stopped: the grabber took all 8).
 	waitUntil(t, "the good consumer to release", func() bool { return e.Stats().Leases < 8 })
-	t.Logf("the grabbing process pins %d of the ring's 8 buffers; %d offers", e.Stats().Leases, e.Stats().Offers)
+	st := e.Stats()
+	t.Logf("the grabbing process pins %d of the ring's 8 buffers; %d offers; %d buffers abandoned to it, %d allocations replaced",
+		st.Leases, st.Offers, st.Abandoned, st.Replaced)
 	g.Send("exit")
 	g.Wait()
 	offerRing(t, env, e, r, n, 10)

@@ -38,6 +38,12 @@ type procWatch struct {
 	exited bool                   // the process has exited
 	leases int                    // held through the connections it opened
 	lost   int                    // of those, held through connections that ended
+	// abandoned counts buffers its lost connections held in VMM
+	// allocations: given up to it (it may still read them) and replaced.
+	// While it lives it is served last, as with lost leases, so that a
+	// process that keeps taking buffers and hanging up makes the producer
+	// replace memory only when no other consumer can take a buffer.
+	abandoned int
 	stop   context.CancelFunc     // ends the watching goroutine
 }
 

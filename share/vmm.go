@@ -187,6 +187,10 @@ func (e *Exporter) releaseVMMLocked(c *consumer) {
 			c.voided = append(c.voided, seq) // finishLocked counts it
 		}
 		c.addOut(-1)
+		c.abandoned++
+		if c.proc != nil {
+			c.proc.abandoned++
+		}
 		e.unmapLeaseLocked(c, b)
 		e.abandonLocked(b)
 		e.unleaseLocked(b)

@@ -628,7 +628,14 @@ func grabber(ce *ChildEnv) error {
 	cfg := transport.DefaultConfig(transport.RoleConsumer)
 	cfg.Devices = []transport.UUID{transport.UUID(ce.Ctx.Device().UUID())}
 	cfg.Credits = 1
+	cfg.AcceptFDs = true
 	got := 0
+	var maps []*vmmImport // what it took with VMM, mapped until it exits
+	defer func() {
+		for _, v := range maps {
+			v.close()
+		}
+	}()
 	for range Param(ParamCount, 20) {
 		ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 		conn, err := transport.Dial(ctx, os.Getenv(ParamPath), cfg)
@@ -637,6 +644,12 @@ func grabber(ce *ChildEnv) error {
 			for conn.Recv(ctx, &m) == nil {
 				if m.Kind == transport.KindOffer {
 					got++
+					if m.Offer.HandleKind == transport.HandleFD {
+						if v, err := importFD(ce.Ctx, m.Offer); err == nil {
+							maps = append(maps, v)
+						}
+					}
+					closeAll(m.Offer.FDs)
 					break
 				}
 			}
