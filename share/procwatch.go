@@ -44,7 +44,7 @@ type procWatch struct {
 	// process that keeps taking buffers and hanging up makes the producer
 	// replace memory only when no other consumer can take a buffer.
 	abandoned int
-	stop   context.CancelFunc     // ends the watching goroutine
+	stop      context.CancelFunc // ends the watching goroutine
 }
 
 const procPollInterval = 20 * time.Millisecond
