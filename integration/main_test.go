@@ -42,7 +42,12 @@ func mainTests(m *testing.M) int {
 		}
 		start := time.Now()
 		const mod = "github.com/seed743c36cf/cudashare/"
-		cmd := exec.Command("go", "build", "-o", tmp+"/", mod+"examples/producer", mod+"examples/consumer", mod+"cmd/cudashare")
+		args := []string{"build", "-o", tmp + "/"}
+		if os.Getenv("GOCOVERDIR") != "" {
+			// scripts/coverage: the binaries write their coverage there too.
+			args = append(args, "-cover", "-coverpkg="+mod+"...")
+		}
+		cmd := exec.Command("go", append(args, mod+"examples/producer", mod+"examples/consumer", mod+"cmd/cudashare")...)
 		cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
 		if err := cmd.Run(); err != nil {
 			fmt.Fprintf(os.Stderr, "integration: building the binaries failed (%v); set %s to prebuilt ones\n", err, EnvBinDir)

@@ -381,8 +381,11 @@ func (e *Exporter) finishLocked(c *consumer, b *Buffer, seq uint64, err error) {
 			// was counted then.)
 			c.voided = slices.Delete(c.voided, i, i+1)
 			e.stats.Releases++
-		} else if s := &c.slots[uint32(seq)]; !c.dropped && s.b == b && s.gen == uint32(seq>>32) {
-			s.sent = true
+		} else if !c.dropped {
+			// (A dropped consumer has no slots left: its drop voided this.)
+			if s := &c.slots[uint32(seq)]; s.b == b && s.gen == uint32(seq>>32) {
+				s.sent = true
+			}
 		}
 	} else if !c.dropped {
 		idx := uint32(seq)
