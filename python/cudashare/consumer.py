@@ -32,16 +32,19 @@ log = logging.getLogger("cudashare")
 
 MAX_EVENTS = 4096          # distinct producer events cached per connection (PROTOCOL.md §4)
 MAX_RELEASE_STREAMS = 64   # streams with their own release event
+RELEASE_DELAY = 100e-6     # the longest a release waits to leave with others (the reader's poll rounds it up to 1 ms)
 
 
 class _Alloc:
-    __slots__ = ("mapping", "leases", "retired", "rel_events")
+    __slots__ = ("id", "mapping", "leases", "retired", "rel_events", "closed")
 
-    def __init__(self, mapping):
+    def __init__(self, alloc_id, mapping):
+        self.id = alloc_id
         self.mapping = mapping
         self.leases = 0
         self.retired = False
         self.rel_events = set()
+        self.closed = False
 
 
 _open = weakref.WeakSet()
@@ -128,12 +131,32 @@ class Consumer:
         self._rd = wire.FrameReader(sock, frame_timeout)
         self._write_timeout = write_timeout
         self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
         self._wlock = threading.RLock()
         self._queue = collections.deque()
-        self._outstanding = {}   # seq -> alloc_id
-        self._held = weakref.WeakValueDictionary()  # seq -> Lease, to void them at close
+        # Waiting in next(): a waiter counts itself in _waiters (under
+        # _lock, after finding the queue empty) and blocks on _sig, a plain
+        # lock that whoever queues a lease or ends the connection releases
+        # while anyone waits. No Condition: no lock allocated per wait.
+        self._sig = threading.Lock()
+        self._sig.acquire()
+        self._waiters = 0
+        self._outstanding = {}   # seq -> weak reference to its Lease (to void them at close)
         self._allocs = {}        # alloc_id -> _Alloc
+        # Releases not yet written (PROTOCOL.md §4 release; §6: an offer is
+        # outstanding until its release is sent). They leave together, as
+        # the Go importer's do: when a quarter of the window is pending,
+        # when a next() is about to wait or waits, or after RELEASE_DELAY,
+        # whichever comes first; closed, goodbye and close() push them first.
+        self._pend = []          # host-ordered seqs
+        self._pend_s = {}        # stream -> seqs released after its event's latest record
+        self._npend = 0
+        self._pend_t = 0.0
+        self._push_at = max(1, min(wire.MAX_RELEASE_SEQS, credits // 4))
+        # The reader parks in a long poll only with nothing pending; the
+        # first release pending then wakes it once through this pipe, so
+        # that the delay holds when nothing else moves.
+        self._parked = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._events = {}        # producer's event handle bytes -> opened event
         self._rel_events = {}    # stream -> (event, handle bytes)
         self._window = credits
@@ -147,6 +170,8 @@ class Consumer:
         self._reader = None
         self.producer = None     # the hello-ack: dict of pid, devices, caps
         self._stats = collections.Counter()
+        self._n_offers = self._n_handoffs = self._n_releases = self._n_bytes = 0
+        self._n_msgs = 0
 
     # --- setup ---
 
@@ -209,20 +234,50 @@ class Consumer:
 
     def _read_loop(self):
         poller = select.poll()
-        poller.register(self._sock.fileno(), select.POLLIN)
+        sfd = self._sock.fileno()
+        poller.register(sfd, select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
+        rd = self._rd
+        decode = wire.decode
+        handle = self._handle
+        lock = self._lock
+        monotonic = time.monotonic
         try:
             while not self._stop:
                 # Frames first: the handshake's reads may have buffered
                 # whole messages that no later read will announce.
                 while True:
-                    body = self._rd.next_frame()
+                    body = rd.next_frame()
                     if body is None:
                         break
-                    self._handle(wire.decode(body))
-                self._rd.check_partial(time.monotonic())
-                if not poller.poll(200):
+                    handle(decode(body), len(body))
+                now = monotonic()
+                rd.check_partial(now)
+                with lock:
+                    if self._npend:
+                        left = self._pend_t + RELEASE_DELAY - now
+                        if left <= 0:
+                            self._push_locked()
+                            wait = 200
+                        else:
+                            wait = 1
+                    else:
+                        wait = 200
+                    self._parked = not self._npend
+                ready = poller.poll(wait)
+                self._parked = False
+                if not ready:
                     continue
-                if not self._rd.fill(accept_fds=True):
+                readable = False
+                for fd, _ev in ready:
+                    if fd == sfd:
+                        readable = True
+                    else:
+                        try:
+                            os.read(self._wake_r, 64)
+                        except OSError:
+                            pass
+                if readable and not rd.fill(accept_fds=True):
                     self._on_eof()
                     return
         except ProtocolError as e:
@@ -262,17 +317,28 @@ class Consumer:
         return err
 
     def _finish(self, err):
-        with self._cond:
+        with self._lock:
             if self._end is None:
                 self._end = err
-            self._cond.notify_all()
+            self._wake()
 
-    def _handle(self, m):
-        kind = wire.uint(m[0], "kind")
+    def _wake(self):
+        """Wakes one thread waiting in next() (it wakes the next one). Any
+        thread; a wake nobody takes only makes a later wait loop once."""
+        if self._waiters:
+            try:
+                self._sig.release()
+            except RuntimeError:
+                pass  # released already, not yet taken
+
+    def _handle(self, m, body_len=None):
+        kind = m[0]
+        if type(kind) is not int or kind < 0:
+            kind = wire.uint(kind, "kind")
         if self._bye_received:
             raise ProtocolError(errors.UNEXPECTED_MESSAGE, "message kind %d after the producer's goodbye" % kind)
         if kind == wire.OFFER:
-            self._on_offer(wire.Offer.parse(m))
+            self._on_offer(wire.Offer.parse(m, body_len))
         elif kind == wire.RETIRE:
             wire.need(m, 2, "retire")
             self._on_retire(wire.uint(m[1], "retire.alloc_id"))
@@ -280,9 +346,9 @@ class Consumer:
             wire.need(m, 2, "goodbye")
             reason = wire.text(m[1], "goodbye.reason")
             log.debug("cudashare: producer said goodbye: %s", reason)
-            with self._cond:
+            with self._lock:
                 self._bye_received = True
-                self._cond.notify_all()
+                self._wake()
         elif kind == wire.ERROR:
             wire.need(m, 3, "error")
             raise ProtocolError(wire.uint(m[1], "error.code"), wire.text(m[2], "error.message"), remote=True)
@@ -300,7 +366,7 @@ class Consumer:
                 return  # void: this consumer said goodbye
             if o.handle_kind not in (wire.HANDLE_CUDA_IPC, wire.HANDLE_POSIX_FD):
                 raise ProtocolError(errors.NOT_SUPPORTED, "offer of handle kind %d, which this consumer does not import" % o.handle_kind)
-            with self._cond:
+            with self._lock:
                 if len(self._outstanding) >= self._window:
                     raise ProtocolError(errors.CREDIT, "offer beyond the %d credits granted" % self._window)
                 if o.seq in self._outstanding:
@@ -322,7 +388,7 @@ class Consumer:
                     raise wire.malformed("cuda_ipc offer carries %d descriptors", len(fds))
                 mapping = self._backend.open(o, fds)  # closes the descriptor
                 fds = []
-                a = _Alloc(mapping)
+                a = _Alloc(o.alloc_id, mapping)
                 self._stats["mappings"] += 1
             ev = None
             if o.event_handle is not None:
@@ -332,16 +398,16 @@ class Consumer:
                         raise ProtocolError(errors.LIMIT, "more than %d distinct producer events" % MAX_EVENTS)
                     ev = self._backend.open_event(o.event_handle)
                     self._events[o.event_handle] = ev
-            with self._cond:
+            lease = Lease(self, o, a, ev)
+            with self._lock:
                 self._allocs[o.alloc_id] = a
                 a.leases += 1
-                self._outstanding[o.seq] = o.alloc_id
-                lease = Lease(self, o, a.mapping, ev)
-                self._held[o.seq] = lease
+                self._outstanding[o.seq] = weakref.ref(lease)
                 self._queue.append(lease)
-                self._stats["offers"] += 1
-                self._stats["bytes"] += o.size
-                self._cond.notify()
+                self._n_offers += 1
+                self._n_bytes += o.size
+                if self._waiters:
+                    self._wake()
         finally:
             for fd in fds:
                 try:
@@ -350,7 +416,7 @@ class Consumer:
                     pass
 
     def _on_retire(self, alloc_id):
-        with self._cond:
+        with self._lock:
             a = self._allocs.get(alloc_id)
             if a is None:
                 # Never mapped here: nothing to close.
@@ -364,6 +430,10 @@ class Consumer:
     def _close_alloc(self, alloc_id, a, answer):
         """Closes a mapping once no lease and no queued GPU work is in it,
         then says closed (PROTOCOL.md §4 retire)."""
+        # Releases pending leave first: closed counts only releases sent
+        # before it, and their events are recorded already.
+        self._push_locked()
+        a.closed = True
         for ev in a.rel_events:
             self._backend.sync_event(ev)
         a.rel_events.clear()
@@ -376,10 +446,14 @@ class Consumer:
     def _send_quiet(self, msg):
         """Sends, unless the connection has ended; a write that fails after
         a goodbye is the normal end (PROTOCOL.md §4 goodbye)."""
+        return self._send_quiet_frames(wire.pack(msg))
+
+    def _send_quiet_frames(self, frames):
         if self._end is not None and not isinstance(self._end, Closed):
             return False
         try:
-            self._send(msg)
+            with self._wlock:
+                self._sock.sendall(frames)
             return True
         except OSError as e:
             if not (self._bye_received or self._bye_sent):
@@ -389,37 +463,79 @@ class Consumer:
     # --- releases ---
 
     def _release(self, lease, stream):
-        with self._cond:
+        with self._lock:
             if lease.released:
                 return
             lease.released = True
-            alloc_id = self._outstanding.pop(lease.seq, None)
-            if alloc_id is None:
+            if self._outstanding.pop(lease.seq, None) is None:
                 return  # voided by a goodbye or the connection's end
-            a = self._allocs.get(alloc_id)
-            msg = [wire.RELEASE, [lease.seq]]
+            a = lease._a
+            ev_stream = None
             if stream is not None and not self._backend.on_host:
-                s = backends.stream_handle(stream)
-                if self.producer["caps"] & wire.CAP_RELEASE_EVENTS and (s in self._rel_events or len(self._rel_events) < MAX_RELEASE_STREAMS):
-                    if s not in self._rel_events:
-                        self._rel_events[s] = self._backend.new_release_event()
-                    ev, h = self._rel_events[s]
-                    self._backend.record(ev, s)
-                    msg.append(h)
-                    if a is not None:
-                        a.rel_events.add(ev)
+                s = stream if type(stream) is int else backends.stream_handle(stream)
+                r = self._rel_events.get(s)
+                if r is None and self.producer["caps"] & wire.CAP_RELEASE_EVENTS and len(self._rel_events) < MAX_RELEASE_STREAMS:
+                    r = self._rel_events[s] = self._backend.new_release_event()
+                if r is not None:
+                    # Recorded now, while the caller's stream surely
+                    # lives; the message that names it may leave later.
+                    self._backend.record(r[0], s)
+                    if not a.closed:
+                        a.rel_events.add(r[0])
+                    ev_stream = s
                     self._stats["ordered_releases"] += 1
                 else:
                     self._backend.stream_sync(s)
-            self._send_quiet(msg)
-            self._stats["releases"] += 1
-            if a is not None:
+            if ev_stream is None:
+                self._pend.append(lease.seq)
+            else:
+                p = self._pend_s.get(ev_stream)
+                if p is None:
+                    self._pend_s[ev_stream] = [lease.seq]
+                else:
+                    p.append(lease.seq)
+            self._n_releases += 1
+            n = self._npend = self._npend + 1
+            if n >= self._push_at or self._waiters:
+                self._push_locked()
+            elif n == 1:
+                self._pend_t = time.monotonic()
+                if self._parked:
+                    self._parked = False
+                    try:
+                        os.write(self._wake_w, b"w")
+                    except OSError:
+                        pass
+                    self._stats["reader_wakes"] += 1
+            if not a.closed:
                 a.leases -= 1
                 if a.retired and a.leases == 0:
-                    self._close_alloc(alloc_id, a, answer=True)
+                    self._close_alloc(a.id, a, answer=True)
+
+    def _push_locked(self):
+        """Writes the pending releases: one message per event stream and one
+        for the host-ordered ones (at most 512 seqs each), in one write."""
+        if not self._npend:
+            return
+        self._npend = 0
+        out = []
+        R = wire.RELEASE
+        M = wire.MAX_RELEASE_SEQS
+        if self._pend:
+            seqs, self._pend = self._pend, []
+            for i in range(0, len(seqs), M):
+                out.append(wire.pack([R, seqs[i:i + M]]))
+        if self._pend_s:
+            groups, self._pend_s = self._pend_s, {}
+            for s, seqs in groups.items():
+                h = self._rel_events[s][1]
+                for i in range(0, len(seqs), M):
+                    out.append(wire.pack([R, seqs[i:i + M], h]))
+        self._n_msgs += len(out)
+        self._send_quiet_frames(b"".join(out) if len(out) > 1 else out[0])
 
     def _leaked(self, lease):
-        with self._cond:
+        with self._lock:
             self._stats["leaked"] += 1
         log.warning("cudashare: lease %d was garbage-collected without release; releasing it", lease.seq)
         self._release(lease, None)
@@ -431,22 +547,41 @@ class Consumer:
         long as it takes). Raises Closed once the producer said goodbye (or
         close() was called) and nothing is queued, ProducerGone if it
         vanished, ProtocolError if the connection failed, Timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
+        q = self._queue
+        lock = self._lock
+        deadline = None
+        while True:
+            with lock:
                 if self._closed:
                     raise Closed("this consumer is closed")
-                if self._queue and self._end is None or (self._queue and isinstance(self._end, Closed)):
-                    self._stats["handoffs"] += 1
-                    return self._queue.popleft()
+                if q and (self._end is None or isinstance(self._end, Closed)):
+                    self._n_handoffs += 1
+                    lease = q.popleft()
+                    if q or self._end is not None:
+                        self._wake()  # the next waiter's turn
+                    return lease
                 if self._end is not None:
+                    self._wake()
                     raise self._end
                 if self._bye_received:
+                    self._wake()
                     raise Closed("the producer said goodbye")
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise Timeout("no offer within %.3gs" % timeout)
-                self._cond.wait(left if left is not None else 1.0)
+                if timeout is None:
+                    left = 1.0
+                else:
+                    if deadline is None:
+                        deadline = time.monotonic() + timeout
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Timeout("no offer within %.3gs" % timeout)
+                # About to wait: what this consumer gave back leaves now.
+                self._push_locked()
+                self._waiters += 1
+            try:
+                self._sig.acquire(True, left)
+            finally:
+                with lock:
+                    self._waiters -= 1
 
     def __iter__(self):
         while True:
@@ -503,10 +638,11 @@ class Consumer:
 
     def grant(self, n):
         """Widens the window by n credits (a credit message)."""
-        with self._cond:
+        with self._lock:
             if n < 1 or self._window + n > wire.MAX_CREDITS:
                 raise ValueError("grant %d: the window may not exceed %d" % (n, wire.MAX_CREDITS))
             self._window += n
+            self._push_at = max(1, min(wire.MAX_RELEASE_SEQS, self._window // 4))
         self._send([wire.CREDIT, n])
 
     @property
@@ -524,9 +660,13 @@ class Consumer:
 
     def stats(self):
         """Counters: offers, handoffs, releases, ordered_releases, leaked,
-        mappings, retired, closed, bytes."""
+        mappings, retired, closed, bytes; release_messages (releases
+        leave in batches), reader_wakes."""
         with self._lock:
-            return dict(self._stats)
+            d = dict(self._stats)
+            d.update(offers=self._n_offers, handoffs=self._n_handoffs, releases=self._n_releases,
+                     bytes=self._n_bytes, release_messages=self._n_msgs)
+            return d
 
     def close(self, timeout=5.0, reason="consumer closed"):
         """Says goodbye and closes; idempotent. Leases still held are
@@ -534,18 +674,20 @@ class Consumer:
         before), every mapping is closed, then goodbye is sent and the
         write side half-closed; it waits up to timeout for the producer to
         close, then closes the socket."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
             clean = self._end is None or isinstance(self._end, Closed)
+            self._wake()
         _open.discard(self)
         try:
             if clean and self._reader is not None:
-                with self._cond:
+                with self._lock:
+                    self._push_locked()
                     held = list(self._outstanding)
-                    for seq in held:
-                        l = self._held.get(seq)
+                    for ref in self._outstanding.values():
+                        l = ref()
                         if l is not None:
                             l.released = True
                     for l in self._queue:
@@ -578,7 +720,18 @@ class Consumer:
             self._reader.join(2.0)
         self._sock.close()
         self._rd.close_fds()
-        with self._cond:
+        if self._reader is None or not self._reader.is_alive():
+            # Not while a reader that did not stop might still poll them:
+            # their numbers could name another file by then.
+            fds = (self._wake_r, self._wake_w)
+            self._wake_r = self._wake_w = -1
+            for fd in fds:
+                if fd >= 0:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+        with self._lock:
             b = self._backend
             if b is not None:
                 for alloc_id, a in list(self._allocs.items()):
@@ -596,7 +749,7 @@ class Consumer:
                 b.shutdown()
             if self._end is None:
                 self._end = Closed("this consumer is closed")
-            self._cond.notify_all()
+            self._wake()
 
     def __enter__(self):
         return self
