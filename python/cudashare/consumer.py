@@ -32,7 +32,10 @@ log = logging.getLogger("cudashare")
 
 MAX_EVENTS = 4096          # distinct producer events cached per connection (PROTOCOL.md §4)
 MAX_RELEASE_STREAMS = 64   # streams with their own release event
-RELEASE_DELAY = 100e-6     # the longest a release waits to leave with others (the reader's poll rounds it up to 1 ms)
+RELEASE_DELAY = 100e-6     # how long a release may wait to leave with others (the background tick rounds it up to TICK)
+TICK = 0.002               # the background reader's tick while the application reads, or holds releases
+HANDOVER = 0.002           # the background reader takes the socket when no next() ran for this long
+BG_POLL = 0.05             # its poll while it reads and nothing is pending
 
 
 class _Alloc:
@@ -152,11 +155,12 @@ class Consumer:
         self._npend = 0
         self._pend_t = 0.0
         self._push_at = max(1, min(wire.MAX_RELEASE_SEQS, credits // 4))
-        # The reader parks in a long poll only with nothing pending; the
-        # first release pending then wakes it once through this pipe, so
-        # that the delay holds when nothing else moves.
-        self._parked = False
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        # Whoever holds _rtok reads the socket: the thread waiting in
+        # next() when there is one, else the background reader.
+        self._rtok = threading.Lock()
+        self._user_t = 0.0       # when a next() last returned or waited
+        self._poller = select.poll()
+        self._poller.register(sock.fileno(), select.POLLIN)
         self._events = {}        # producer's event handle bytes -> opened event
         self._rel_events = {}    # stream -> (event, handle bytes)
         self._window = credits
@@ -233,67 +237,81 @@ class Consumer:
     # --- the reader thread ---
 
     def _read_loop(self):
-        poller = select.poll()
-        sfd = self._sock.fileno()
-        poller.register(sfd, select.POLLIN)
-        poller.register(self._wake_r, select.POLLIN)
-        rd = self._rd
-        decode = wire.decode
-        handle = self._handle
+        """The background reader: it reads only while no next() does, so
+        that retire, goodbye and errors are handled while the application is
+        busy with a batch; while the application keeps calling next(), the
+        thread in next() reads the socket itself (no hop between threads)
+        and this one only ticks, pushing releases older than RELEASE_DELAY."""
+        rtok = self._rtok
         lock = self._lock
         monotonic = time.monotonic
-        try:
-            while not self._stop:
-                # Frames first: the handshake's reads may have buffered
-                # whole messages that no later read will announce.
-                while True:
-                    body = rd.next_frame()
-                    if body is None:
-                        break
-                    handle(decode(body), len(body))
-                now = monotonic()
-                rd.check_partial(now)
+        while not self._stop and not self._eof.is_set():
+            now = monotonic()
+            if self._npend:
                 with lock:
+                    if self._npend and now - self._pend_t >= RELEASE_DELAY:
+                        self._push_locked()
+            if self._waiters or now - self._user_t < HANDOVER or not rtok.acquire(False):
+                time.sleep(TICK)
+                continue
+            try:
+                # Read until a next() wants to (it waits while this holds
+                # the socket; what arrives is queued and wakes it).
+                while not self._stop and self._pump(TICK if self._npend else BG_POLL):
+                    if self._waiters or monotonic() - self._user_t < HANDOVER:
+                        break
                     if self._npend:
-                        left = self._pend_t + RELEASE_DELAY - now
-                        if left <= 0:
-                            self._push_locked()
-                            wait = 200
-                        else:
-                            wait = 1
-                    else:
-                        wait = 200
-                    self._parked = not self._npend
-                ready = poller.poll(wait)
-                self._parked = False
-                if not ready:
-                    continue
-                readable = False
-                for fd, _ev in ready:
-                    if fd == sfd:
-                        readable = True
-                    else:
-                        try:
-                            os.read(self._wake_r, 64)
-                        except OSError:
-                            pass
-                if readable and not rd.fill(accept_fds=True):
-                    self._on_eof()
-                    return
+                        with lock:
+                            if self._npend and monotonic() - self._pend_t >= RELEASE_DELAY:
+                                self._push_locked()
+            finally:
+                rtok.release()
+            self._wake()
+
+    def _pump(self, timeout, user=False):
+        """Reads what the socket has, waiting up to timeout seconds for it;
+        handles every whole frame. The caller holds _rtok; user: it is a
+        next(), which does not wait with a lease queued. Returns False
+        once the connection has ended (the end is recorded for next())."""
+        rd = self._rd
+        try:
+            # Frames first: earlier reads may have buffered whole messages
+            # that no later read will announce.
+            body = rd.next_frame()
+            while body is not None:
+                self._handle(wire.decode(body), len(body))
+                body = rd.next_frame()
+            rd.check_partial(time.monotonic())
+            if self._queue and (user or self._waiters):
+                return True
+            if not self._poller.poll(int(timeout * 1000 + 0.999)):
+                return True
+            if not rd.fill(accept_fds=True):
+                self._on_eof()
+                self._ended()
+                return False
+            body = rd.next_frame()
+            while body is not None:
+                self._handle(wire.decode(body), len(body))
+                body = rd.next_frame()
+            return True
         except ProtocolError as e:
             self._protocol_fail(e)
         except CudashareError as e:
             self._protocol_fail(ProtocolError(errors.INTERNAL, str(e)), cause=e)
         except OSError as e:
-            if self._stop:
-                return
-            if self._bye_received or self._bye_sent:
-                self._on_eof()
-            else:
-                self._finish(ProducerGone("connection to %s failed: %s" % (self.path, e)))
-        finally:
-            self._rd.close_fds()
-            self._eof.set()
+            if not self._stop:
+                if self._bye_received or self._bye_sent:
+                    self._on_eof()
+                else:
+                    self._finish(ProducerGone("connection to %s failed: %s" % (self.path, e)))
+        self._ended()
+        return False
+
+    def _ended(self):
+        self._rd.close_fds()
+        self._eof.set()
+        self._wake()
 
     def _on_eof(self):
         if self._bye_received or self._bye_sent:
@@ -500,13 +518,6 @@ class Consumer:
                 self._push_locked()
             elif n == 1:
                 self._pend_t = time.monotonic()
-                if self._parked:
-                    self._parked = False
-                    try:
-                        os.write(self._wake_w, b"w")
-                    except OSError:
-                        pass
-                    self._stats["reader_wakes"] += 1
             if not a.closed:
                 a.leases -= 1
                 if a.retired and a.leases == 0:
@@ -556,6 +567,7 @@ class Consumer:
                     raise Closed("this consumer is closed")
                 if q and (self._end is None or isinstance(self._end, Closed)):
                     self._n_handoffs += 1
+                    self._user_t = time.monotonic()
                     lease = q.popleft()
                     if q or self._end is not None:
                         self._wake()  # the next waiter's turn
@@ -576,9 +588,18 @@ class Consumer:
                         raise Timeout("no offer within %.3gs" % timeout)
                 # About to wait: what this consumer gave back leaves now.
                 self._push_locked()
+                self._user_t = time.monotonic()
+            # The socket is free: read it here, in the caller's thread.
+            if self._rtok.acquire(False):
+                try:
+                    self._pump(min(left, BG_POLL), user=True)
+                finally:
+                    self._rtok.release()
+                continue
+            with lock:
                 self._waiters += 1
             try:
-                self._sig.acquire(True, left)
+                self._sig.acquire(True, min(left, TICK))
             finally:
                 with lock:
                     self._waiters -= 1
@@ -661,7 +682,7 @@ class Consumer:
     def stats(self):
         """Counters: offers, handoffs, releases, ordered_releases, leaked,
         mappings, retired, closed, bytes; release_messages (releases
-        leave in batches), reader_wakes."""
+        leave in batches)."""
         with self._lock:
             d = dict(self._stats)
             d.update(offers=self._n_offers, handoffs=self._n_handoffs, releases=self._n_releases,
@@ -720,17 +741,6 @@ class Consumer:
             self._reader.join(2.0)
         self._sock.close()
         self._rd.close_fds()
-        if self._reader is None or not self._reader.is_alive():
-            # Not while a reader that did not stop might still poll them:
-            # their numbers could name another file by then.
-            fds = (self._wake_r, self._wake_w)
-            self._wake_r = self._wake_w = -1
-            for fd in fds:
-                if fd >= 0:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
         with self._lock:
             b = self._backend
             if b is not None:
