@@ -20,6 +20,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -228,6 +229,14 @@ class Consumer:
             wire.binn(d, 16, "hello-ack.devices")
         self.producer = {"pid": wire.uint(m[3], "hello-ack.pid"), "devices": devs,
                          "caps": wire.uint(m[6], "hello-ack.capabilities")}
+        # PROTOCOL.md §3.1: a producer whose pid reads 0 here lives in a
+        # sibling PID namespace (or one this side cannot see), where the
+        # driver refuses interprocess events: release on the host instead.
+        try:
+            peer_pid = struct.unpack("3i", self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        except OSError:
+            peer_pid = 0
+        self._rel_events_ok = bool(self.producer["caps"] & wire.CAP_RELEASE_EVENTS) and peer_pid != 0
         self._sock.settimeout(self._write_timeout)
         self._backend = backends.select(backend, self.device, devs)
         self._reader = threading.Thread(target=self._read_loop, name="cudashare-reader %s" % self.path, daemon=True)
@@ -492,7 +501,7 @@ class Consumer:
             if stream is not None and not self._backend.on_host:
                 s = stream if type(stream) is int else backends.stream_handle(stream)
                 r = self._rel_events.get(s)
-                if r is None and self.producer["caps"] & wire.CAP_RELEASE_EVENTS and len(self._rel_events) < MAX_RELEASE_STREAMS:
+                if r is None and self._rel_events_ok and len(self._rel_events) < MAX_RELEASE_STREAMS:
                     r = self._rel_events[s] = self._backend.new_release_event()
                 if r is not None:
                     # Recorded now, while the caller's stream surely
