@@ -14,6 +14,9 @@
 #   torch-fresh  the same with fresh 64 MiB buffers from an arena.
 #   cli-ring     python -m cudashare consume --verify full: every byte of
 #                every batch copied back to the host and checked (no torch).
+#   *-pidns      torch-ring and cli-ring with VMM, the producer and the
+#                consumer each under its own unshare --pid (two containers);
+#                skipped with a note where unshare is refused.
 # The producer makes -count batches (default 2000; 300 for cli-ring), with
 # -fill (the pattern, PROTOCOL.md 4.2) and an interprocess event. Every
 # process has a timeout; a failing case does not stop the others.
@@ -30,7 +33,7 @@ count=2000
 while [ $# -gt 0 ]; do
 	case $1 in
 	-count) count=$2; shift 2 ;;
-	-h | -help | --help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+	-h | -help | --help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
 	*) echo "python-gpu-check: unknown argument $1" >&2; exit 2 ;;
 	esac
 done
@@ -73,6 +76,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi -L
 
 results=()
 failed=0
+WRAP=() # the pidns cases run the producer and the consumer each in its own PID namespace
 # case NAME SHARING DEV CDEV COUNT -- CONSUMER... -- PRODUCER_ARGS...
 run_case() {
 	local name=$1 sh=$2 d=$3 c=$4 n=$5
@@ -83,10 +87,10 @@ run_case() {
 	shift
 	local label="$name-$sh-gpu$d$c"
 	echo "== $label"
-	timeout -k 10 180 "$BIN/producer" -socket "$sock" -device "$d" -sharing "$sh" -count "$n" -consumers 1 \
+	timeout -k 10 180 "${WRAP[@]}" "$BIN/producer" -socket "$sock" -device "$d" -sharing "$sh" -count "$n" -consumers 1 \
 		-wait 60s -shutdown-timeout 20s -json "$@" >"$OUT/$label.producer.json" 2>"$OUT/$label.producer.log" &
 	local ppid=$!
-	timeout -k 10 150 "${ccmd[@]}" >"$OUT/$label.consumer.json" 2>"$OUT/$label.consumer.log"
+	timeout -k 10 150 "${WRAP[@]}" "${ccmd[@]}" >"$OUT/$label.consumer.json" 2>"$OUT/$label.consumer.log"
 	local cexit=$?
 	[ "$cexit" != 0 ] && kill -TERM "$ppid" 2>/dev/null
 	wait "$ppid"
@@ -149,6 +153,21 @@ for pair in "${pairs[@]}"; do
 			--device "$c" --wait 60 --verify full --workers 1 -- -ring 8 -size 1MiB
 	done
 done
+# Sibling PID namespaces (two containers): the producer under one
+# unshare, the Python consumer under another; VMM only (legacy IPC handles
+# are refused between siblings). Each side reads its peer's pid as 0, so
+# no event handle crosses: the producer waits on the host before offering
+# and the consumer on its stream before releasing (PROTOCOL.md 3.1).
+if unshare --pid --fork --kill-child --mount-proc true 2>"$OUT/unshare.log"; then
+	WRAP=(unshare --pid --fork --kill-child --mount-proc)
+	run_case torch-ring-pidns vmm 0 0 "$count" -- "${PYCS[@]}" python3 bench/py_consumer.py --socket "$sock" \
+		--device 0 --wait 60 --work full -- -ring 8 -size 1MiB
+	run_case cli-ring-pidns vmm 0 0 300 -- "${PYCS[@]}" python3 -m cudashare consume --socket "$sock" \
+		--device 0 --wait 60 --verify full --workers 1 -- -ring 8 -size 1MiB
+	WRAP=()
+else
+	results+=("pidns (sibling PID namespaces)|skipped|unshare --pid refused here: $(head -c 200 "$OUT/unshare.log")")
+fi
 if [ "$ngpus" -lt 2 ]; then
 	results+=("across GPUs (consumer on GPU 1)|skipped|one GPU: the across-GPU cases need two")
 fi

@@ -20,6 +20,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -32,16 +33,22 @@ log = logging.getLogger("cudashare")
 
 MAX_EVENTS = 4096          # distinct producer events cached per connection (PROTOCOL.md §4)
 MAX_RELEASE_STREAMS = 64   # streams with their own release event
+RELEASE_DELAY = 100e-6     # how long a release may wait to leave with others (the background tick rounds it up to TICK)
+TICK = 0.002               # the background reader's tick while the application reads, or holds releases
+HANDOVER = 0.002           # the background reader takes the socket when no next() ran for this long
+BG_POLL = 0.05             # its poll while it reads and nothing is pending
 
 
 class _Alloc:
-    __slots__ = ("mapping", "leases", "retired", "rel_events")
+    __slots__ = ("id", "mapping", "leases", "retired", "rel_events", "closed")
 
-    def __init__(self, mapping):
+    def __init__(self, alloc_id, mapping):
+        self.id = alloc_id
         self.mapping = mapping
         self.leases = 0
         self.retired = False
         self.rel_events = set()
+        self.closed = False
 
 
 _open = weakref.WeakSet()
@@ -128,12 +135,33 @@ class Consumer:
         self._rd = wire.FrameReader(sock, frame_timeout)
         self._write_timeout = write_timeout
         self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
         self._wlock = threading.RLock()
         self._queue = collections.deque()
-        self._outstanding = {}   # seq -> alloc_id
-        self._held = weakref.WeakValueDictionary()  # seq -> Lease, to void them at close
+        # Waiting in next(): a waiter counts itself in _waiters (under
+        # _lock, after finding the queue empty) and blocks on _sig, a plain
+        # lock that whoever queues a lease or ends the connection releases
+        # while anyone waits. No Condition: no lock allocated per wait.
+        self._sig = threading.Lock()
+        self._sig.acquire()
+        self._waiters = 0
+        self._outstanding = {}   # seq -> weak reference to its Lease (to void them at close)
         self._allocs = {}        # alloc_id -> _Alloc
+        # Releases not yet written (PROTOCOL.md §4 release; §6: an offer is
+        # outstanding until its release is sent). They leave together, as
+        # the Go importer's do: when a quarter of the window is pending,
+        # when a next() is about to wait or waits, or after RELEASE_DELAY,
+        # whichever comes first; closed, goodbye and close() push them first.
+        self._pend = []          # host-ordered seqs
+        self._pend_s = {}        # stream -> seqs released after its event's latest record
+        self._npend = 0
+        self._pend_t = 0.0
+        self._push_at = max(1, min(wire.MAX_RELEASE_SEQS, credits // 4))
+        # Whoever holds _rtok reads the socket: the thread waiting in
+        # next() when there is one, else the background reader.
+        self._rtok = threading.Lock()
+        self._user_t = 0.0       # when a next() last returned or waited
+        self._poller = select.poll()
+        self._poller.register(sock.fileno(), select.POLLIN)
         self._events = {}        # producer's event handle bytes -> opened event
         self._rel_events = {}    # stream -> (event, handle bytes)
         self._window = credits
@@ -147,6 +175,8 @@ class Consumer:
         self._reader = None
         self.producer = None     # the hello-ack: dict of pid, devices, caps
         self._stats = collections.Counter()
+        self._n_offers = self._n_handoffs = self._n_releases = self._n_bytes = 0
+        self._n_msgs = 0
 
     # --- setup ---
 
@@ -199,6 +229,14 @@ class Consumer:
             wire.binn(d, 16, "hello-ack.devices")
         self.producer = {"pid": wire.uint(m[3], "hello-ack.pid"), "devices": devs,
                          "caps": wire.uint(m[6], "hello-ack.capabilities")}
+        # PROTOCOL.md §3.1: a producer whose pid reads 0 here lives in a
+        # sibling PID namespace (or one this side cannot see), where the
+        # driver refuses interprocess events: release on the host instead.
+        try:
+            peer_pid = struct.unpack("3i", self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+        except OSError:
+            peer_pid = 0
+        self._rel_events_ok = bool(self.producer["caps"] & wire.CAP_RELEASE_EVENTS) and peer_pid != 0
         self._sock.settimeout(self._write_timeout)
         self._backend = backends.select(backend, self.device, devs)
         self._reader = threading.Thread(target=self._read_loop, name="cudashare-reader %s" % self.path, daemon=True)
@@ -208,37 +246,81 @@ class Consumer:
     # --- the reader thread ---
 
     def _read_loop(self):
-        poller = select.poll()
-        poller.register(self._sock.fileno(), select.POLLIN)
-        try:
-            while not self._stop:
-                # Frames first: the handshake's reads may have buffered
-                # whole messages that no later read will announce.
-                while True:
-                    body = self._rd.next_frame()
-                    if body is None:
+        """The background reader: it reads only while no next() does, so
+        that retire, goodbye and errors are handled while the application is
+        busy with a batch; while the application keeps calling next(), the
+        thread in next() reads the socket itself (no hop between threads)
+        and this one only ticks, pushing releases older than RELEASE_DELAY."""
+        rtok = self._rtok
+        lock = self._lock
+        monotonic = time.monotonic
+        while not self._stop and not self._eof.is_set():
+            now = monotonic()
+            if self._npend:
+                with lock:
+                    if self._npend and now - self._pend_t >= RELEASE_DELAY:
+                        self._push_locked()
+            if self._waiters or now - self._user_t < HANDOVER or not rtok.acquire(False):
+                time.sleep(TICK)
+                continue
+            try:
+                # Read until a next() wants to (it waits while this holds
+                # the socket; what arrives is queued and wakes it).
+                while not self._stop and self._pump(TICK if self._npend else BG_POLL):
+                    if self._waiters or monotonic() - self._user_t < HANDOVER:
                         break
-                    self._handle(wire.decode(body))
-                self._rd.check_partial(time.monotonic())
-                if not poller.poll(200):
-                    continue
-                if not self._rd.fill(accept_fds=True):
-                    self._on_eof()
-                    return
+                    if self._npend:
+                        with lock:
+                            if self._npend and monotonic() - self._pend_t >= RELEASE_DELAY:
+                                self._push_locked()
+            finally:
+                rtok.release()
+            self._wake()
+
+    def _pump(self, timeout, user=False):
+        """Reads what the socket has, waiting up to timeout seconds for it;
+        handles every whole frame. The caller holds _rtok; user: it is a
+        next(), which does not wait with a lease queued. Returns False
+        once the connection has ended (the end is recorded for next())."""
+        rd = self._rd
+        try:
+            # Frames first: earlier reads may have buffered whole messages
+            # that no later read will announce.
+            body = rd.next_frame()
+            while body is not None:
+                self._handle(wire.decode(body), len(body))
+                body = rd.next_frame()
+            rd.check_partial(time.monotonic())
+            if self._queue and (user or self._waiters):
+                return True
+            if not self._poller.poll(int(timeout * 1000 + 0.999)):
+                return True
+            if not rd.fill(accept_fds=True):
+                self._on_eof()
+                self._ended()
+                return False
+            body = rd.next_frame()
+            while body is not None:
+                self._handle(wire.decode(body), len(body))
+                body = rd.next_frame()
+            return True
         except ProtocolError as e:
             self._protocol_fail(e)
         except CudashareError as e:
             self._protocol_fail(ProtocolError(errors.INTERNAL, str(e)), cause=e)
         except OSError as e:
-            if self._stop:
-                return
-            if self._bye_received or self._bye_sent:
-                self._on_eof()
-            else:
-                self._finish(ProducerGone("connection to %s failed: %s" % (self.path, e)))
-        finally:
-            self._rd.close_fds()
-            self._eof.set()
+            if not self._stop:
+                if self._bye_received or self._bye_sent:
+                    self._on_eof()
+                else:
+                    self._finish(ProducerGone("connection to %s failed: %s" % (self.path, e)))
+        self._ended()
+        return False
+
+    def _ended(self):
+        self._rd.close_fds()
+        self._eof.set()
+        self._wake()
 
     def _on_eof(self):
         if self._bye_received or self._bye_sent:
@@ -262,17 +344,28 @@ class Consumer:
         return err
 
     def _finish(self, err):
-        with self._cond:
+        with self._lock:
             if self._end is None:
                 self._end = err
-            self._cond.notify_all()
+            self._wake()
 
-    def _handle(self, m):
-        kind = wire.uint(m[0], "kind")
+    def _wake(self):
+        """Wakes one thread waiting in next() (it wakes the next one). Any
+        thread; a wake nobody takes only makes a later wait loop once."""
+        if self._waiters:
+            try:
+                self._sig.release()
+            except RuntimeError:
+                pass  # released already, not yet taken
+
+    def _handle(self, m, body_len=None):
+        kind = m[0]
+        if type(kind) is not int or kind < 0:
+            kind = wire.uint(kind, "kind")
         if self._bye_received:
             raise ProtocolError(errors.UNEXPECTED_MESSAGE, "message kind %d after the producer's goodbye" % kind)
         if kind == wire.OFFER:
-            self._on_offer(wire.Offer.parse(m))
+            self._on_offer(wire.Offer.parse(m, body_len))
         elif kind == wire.RETIRE:
             wire.need(m, 2, "retire")
             self._on_retire(wire.uint(m[1], "retire.alloc_id"))
@@ -280,9 +373,9 @@ class Consumer:
             wire.need(m, 2, "goodbye")
             reason = wire.text(m[1], "goodbye.reason")
             log.debug("cudashare: producer said goodbye: %s", reason)
-            with self._cond:
+            with self._lock:
                 self._bye_received = True
-                self._cond.notify_all()
+                self._wake()
         elif kind == wire.ERROR:
             wire.need(m, 3, "error")
             raise ProtocolError(wire.uint(m[1], "error.code"), wire.text(m[2], "error.message"), remote=True)
@@ -300,7 +393,7 @@ class Consumer:
                 return  # void: this consumer said goodbye
             if o.handle_kind not in (wire.HANDLE_CUDA_IPC, wire.HANDLE_POSIX_FD):
                 raise ProtocolError(errors.NOT_SUPPORTED, "offer of handle kind %d, which this consumer does not import" % o.handle_kind)
-            with self._cond:
+            with self._lock:
                 if len(self._outstanding) >= self._window:
                     raise ProtocolError(errors.CREDIT, "offer beyond the %d credits granted" % self._window)
                 if o.seq in self._outstanding:
@@ -322,7 +415,7 @@ class Consumer:
                     raise wire.malformed("cuda_ipc offer carries %d descriptors", len(fds))
                 mapping = self._backend.open(o, fds)  # closes the descriptor
                 fds = []
-                a = _Alloc(mapping)
+                a = _Alloc(o.alloc_id, mapping)
                 self._stats["mappings"] += 1
             ev = None
             if o.event_handle is not None:
@@ -332,16 +425,16 @@ class Consumer:
                         raise ProtocolError(errors.LIMIT, "more than %d distinct producer events" % MAX_EVENTS)
                     ev = self._backend.open_event(o.event_handle)
                     self._events[o.event_handle] = ev
-            with self._cond:
+            lease = Lease(self, o, a, ev)
+            with self._lock:
                 self._allocs[o.alloc_id] = a
                 a.leases += 1
-                self._outstanding[o.seq] = o.alloc_id
-                lease = Lease(self, o, a.mapping, ev)
-                self._held[o.seq] = lease
+                self._outstanding[o.seq] = weakref.ref(lease)
                 self._queue.append(lease)
-                self._stats["offers"] += 1
-                self._stats["bytes"] += o.size
-                self._cond.notify()
+                self._n_offers += 1
+                self._n_bytes += o.size
+                if self._waiters:
+                    self._wake()
         finally:
             for fd in fds:
                 try:
@@ -350,7 +443,7 @@ class Consumer:
                     pass
 
     def _on_retire(self, alloc_id):
-        with self._cond:
+        with self._lock:
             a = self._allocs.get(alloc_id)
             if a is None:
                 # Never mapped here: nothing to close.
@@ -364,6 +457,10 @@ class Consumer:
     def _close_alloc(self, alloc_id, a, answer):
         """Closes a mapping once no lease and no queued GPU work is in it,
         then says closed (PROTOCOL.md §4 retire)."""
+        # Releases pending leave first: closed counts only releases sent
+        # before it, and their events are recorded already.
+        self._push_locked()
+        a.closed = True
         for ev in a.rel_events:
             self._backend.sync_event(ev)
         a.rel_events.clear()
@@ -376,10 +473,14 @@ class Consumer:
     def _send_quiet(self, msg):
         """Sends, unless the connection has ended; a write that fails after
         a goodbye is the normal end (PROTOCOL.md §4 goodbye)."""
+        return self._send_quiet_frames(wire.pack(msg))
+
+    def _send_quiet_frames(self, frames):
         if self._end is not None and not isinstance(self._end, Closed):
             return False
         try:
-            self._send(msg)
+            with self._wlock:
+                self._sock.sendall(frames)
             return True
         except OSError as e:
             if not (self._bye_received or self._bye_sent):
@@ -389,37 +490,72 @@ class Consumer:
     # --- releases ---
 
     def _release(self, lease, stream):
-        with self._cond:
+        with self._lock:
             if lease.released:
                 return
             lease.released = True
-            alloc_id = self._outstanding.pop(lease.seq, None)
-            if alloc_id is None:
+            if self._outstanding.pop(lease.seq, None) is None:
                 return  # voided by a goodbye or the connection's end
-            a = self._allocs.get(alloc_id)
-            msg = [wire.RELEASE, [lease.seq]]
+            a = lease._a
+            ev_stream = None
             if stream is not None and not self._backend.on_host:
-                s = backends.stream_handle(stream)
-                if self.producer["caps"] & wire.CAP_RELEASE_EVENTS and (s in self._rel_events or len(self._rel_events) < MAX_RELEASE_STREAMS):
-                    if s not in self._rel_events:
-                        self._rel_events[s] = self._backend.new_release_event()
-                    ev, h = self._rel_events[s]
-                    self._backend.record(ev, s)
-                    msg.append(h)
-                    if a is not None:
-                        a.rel_events.add(ev)
+                s = stream if type(stream) is int else backends.stream_handle(stream)
+                r = self._rel_events.get(s)
+                if r is None and self._rel_events_ok and len(self._rel_events) < MAX_RELEASE_STREAMS:
+                    r = self._rel_events[s] = self._backend.new_release_event()
+                if r is not None:
+                    # Recorded now, while the caller's stream surely
+                    # lives; the message that names it may leave later.
+                    self._backend.record(r[0], s)
+                    if not a.closed:
+                        a.rel_events.add(r[0])
+                    ev_stream = s
                     self._stats["ordered_releases"] += 1
                 else:
                     self._backend.stream_sync(s)
-            self._send_quiet(msg)
-            self._stats["releases"] += 1
-            if a is not None:
+            if ev_stream is None:
+                self._pend.append(lease.seq)
+            else:
+                p = self._pend_s.get(ev_stream)
+                if p is None:
+                    self._pend_s[ev_stream] = [lease.seq]
+                else:
+                    p.append(lease.seq)
+            self._n_releases += 1
+            n = self._npend = self._npend + 1
+            if n >= self._push_at or self._waiters:
+                self._push_locked()
+            elif n == 1:
+                self._pend_t = time.monotonic()
+            if not a.closed:
                 a.leases -= 1
                 if a.retired and a.leases == 0:
-                    self._close_alloc(alloc_id, a, answer=True)
+                    self._close_alloc(a.id, a, answer=True)
+
+    def _push_locked(self):
+        """Writes the pending releases: one message per event stream and one
+        for the host-ordered ones (at most 512 seqs each), in one write."""
+        if not self._npend:
+            return
+        self._npend = 0
+        out = []
+        R = wire.RELEASE
+        M = wire.MAX_RELEASE_SEQS
+        if self._pend:
+            seqs, self._pend = self._pend, []
+            for i in range(0, len(seqs), M):
+                out.append(wire.pack([R, seqs[i:i + M]]))
+        if self._pend_s:
+            groups, self._pend_s = self._pend_s, {}
+            for s, seqs in groups.items():
+                h = self._rel_events[s][1]
+                for i in range(0, len(seqs), M):
+                    out.append(wire.pack([R, seqs[i:i + M], h]))
+        self._n_msgs += len(out)
+        self._send_quiet_frames(b"".join(out) if len(out) > 1 else out[0])
 
     def _leaked(self, lease):
-        with self._cond:
+        with self._lock:
             self._stats["leaked"] += 1
         log.warning("cudashare: lease %d was garbage-collected without release; releasing it", lease.seq)
         self._release(lease, None)
@@ -431,22 +567,51 @@ class Consumer:
         long as it takes). Raises Closed once the producer said goodbye (or
         close() was called) and nothing is queued, ProducerGone if it
         vanished, ProtocolError if the connection failed, Timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
+        q = self._queue
+        lock = self._lock
+        deadline = None
+        while True:
+            with lock:
                 if self._closed:
                     raise Closed("this consumer is closed")
-                if self._queue and self._end is None or (self._queue and isinstance(self._end, Closed)):
-                    self._stats["handoffs"] += 1
-                    return self._queue.popleft()
+                if q and (self._end is None or isinstance(self._end, Closed)):
+                    self._n_handoffs += 1
+                    self._user_t = time.monotonic()
+                    lease = q.popleft()
+                    if q or self._end is not None:
+                        self._wake()  # the next waiter's turn
+                    return lease
                 if self._end is not None:
+                    self._wake()
                     raise self._end
                 if self._bye_received:
+                    self._wake()
                     raise Closed("the producer said goodbye")
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise Timeout("no offer within %.3gs" % timeout)
-                self._cond.wait(left if left is not None else 1.0)
+                if timeout is None:
+                    left = 1.0
+                else:
+                    if deadline is None:
+                        deadline = time.monotonic() + timeout
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Timeout("no offer within %.3gs" % timeout)
+                # About to wait: what this consumer gave back leaves now.
+                self._push_locked()
+                self._user_t = time.monotonic()
+            # The socket is free: read it here, in the caller's thread.
+            if self._rtok.acquire(False):
+                try:
+                    self._pump(min(left, BG_POLL), user=True)
+                finally:
+                    self._rtok.release()
+                continue
+            with lock:
+                self._waiters += 1
+            try:
+                self._sig.acquire(True, min(left, TICK))
+            finally:
+                with lock:
+                    self._waiters -= 1
 
     def __iter__(self):
         while True:
@@ -503,10 +668,11 @@ class Consumer:
 
     def grant(self, n):
         """Widens the window by n credits (a credit message)."""
-        with self._cond:
+        with self._lock:
             if n < 1 or self._window + n > wire.MAX_CREDITS:
                 raise ValueError("grant %d: the window may not exceed %d" % (n, wire.MAX_CREDITS))
             self._window += n
+            self._push_at = max(1, min(wire.MAX_RELEASE_SEQS, self._window // 4))
         self._send([wire.CREDIT, n])
 
     @property
@@ -524,9 +690,13 @@ class Consumer:
 
     def stats(self):
         """Counters: offers, handoffs, releases, ordered_releases, leaked,
-        mappings, retired, closed, bytes."""
+        mappings, retired, closed, bytes; release_messages (releases
+        leave in batches)."""
         with self._lock:
-            return dict(self._stats)
+            d = dict(self._stats)
+            d.update(offers=self._n_offers, handoffs=self._n_handoffs, releases=self._n_releases,
+                     bytes=self._n_bytes, release_messages=self._n_msgs)
+            return d
 
     def close(self, timeout=5.0, reason="consumer closed"):
         """Says goodbye and closes; idempotent. Leases still held are
@@ -534,18 +704,20 @@ class Consumer:
         before), every mapping is closed, then goodbye is sent and the
         write side half-closed; it waits up to timeout for the producer to
         close, then closes the socket."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
             clean = self._end is None or isinstance(self._end, Closed)
+            self._wake()
         _open.discard(self)
         try:
             if clean and self._reader is not None:
-                with self._cond:
+                with self._lock:
+                    self._push_locked()
                     held = list(self._outstanding)
-                    for seq in held:
-                        l = self._held.get(seq)
+                    for ref in self._outstanding.values():
+                        l = ref()
                         if l is not None:
                             l.released = True
                     for l in self._queue:
@@ -578,7 +750,7 @@ class Consumer:
             self._reader.join(2.0)
         self._sock.close()
         self._rd.close_fds()
-        with self._cond:
+        with self._lock:
             b = self._backend
             if b is not None:
                 for alloc_id, a in list(self._allocs.items()):
@@ -596,7 +768,7 @@ class Consumer:
                 b.shutdown()
             if self._end is None:
                 self._end = Closed("this consumer is closed")
-            self._cond.notify_all()
+            self._wake()
 
     def __enter__(self):
         return self

@@ -18,8 +18,12 @@ class Lease:
     tensor made from it keeps it alive.
     """
 
-    def __init__(self, consumer, offer, mapping, event):
+    __slots__ = ("_c", "_a", "seq", "alloc_id", "generation", "offset", "size", "meta", "handle_kind",
+                 "device_uuid", "received_ns", "_mapping", "_event", "_waited", "released", "__weakref__")
+
+    def __init__(self, consumer, offer, alloc, event):
         self._c = consumer
+        self._a = alloc          # the consumer's record of the allocation
         self.seq = offer.seq
         self.alloc_id = offer.alloc_id
         self.generation = offer.generation
@@ -29,9 +33,9 @@ class Lease:
         self.handle_kind = offer.handle_kind
         self.device_uuid = offer.device_uuid
         self.received_ns = offer.received_ns
-        self._mapping = mapping
+        self._mapping = alloc.mapping
         self._event = event      # the producer's opened event, or None
-        self._waited = set()     # streams already made to wait on it
+        self._waited = None      # the stream last made to wait on it (most use one)
         self.released = False
 
     # --- where the data is ---
@@ -54,9 +58,19 @@ class Lease:
 
     def _wait(self, stream):
         """Orders stream after the producer's writes (its event), once."""
-        if self._event is not None and stream not in self._waited:
-            self._c._backend.wait_event(self._event, stream)
-            self._waited.add(stream)
+        w = self._waited
+        if self._event is None or w == stream:
+            return
+        if w is not None and type(w) is set:
+            if stream in w:
+                return
+        self._c._backend.wait_event(self._event, stream)
+        if w is None:
+            self._waited = stream
+        elif type(w) is set:
+            w.add(stream)
+        else:
+            self._waited = {w, stream}
 
     def synchronize(self):
         """Waits on the host until the producer's writes are done."""

@@ -45,6 +45,9 @@ READ_CHUNK = 65536
 U64 = (1 << 64) - 1
 
 
+_unpack_len = struct.Struct(">I").unpack_from
+
+
 def malformed(fmt, *args):
     return ProtocolError(errors.MALFORMED, fmt % args if args else fmt)
 
@@ -65,18 +68,24 @@ def decode(body):
     str only, nesting at most 16 (the Unpacker bounds every declared
     length by the body's size)."""
     try:
-        msg = msgpack.unpackb(body, raw=False, ext_hook=_no_ext,
-                              strict_map_key=False, use_list=True)
+        msg = _unpackb(body, raw=False, ext_hook=_no_ext, strict_map_key=False, use_list=True)
     except ProtocolError:
         raise
     except msgpack.ExtraData:
         raise malformed("bytes after the message's value")
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as e:
         raise malformed("not one msgpack value: %s", e)
-    if not isinstance(msg, list) or not msg:
+    if type(msg) is not list or not msg:
         raise malformed("a message must be a non-empty array")
-    _check_free(msg, 0)
+    # Only containers can break the nesting and key rules: a message of
+    # scalars (an offer's fields but its meta, a retire) costs one pass.
+    for x in msg:
+        if type(x) is list or type(x) is dict:
+            _check_free(x, 1)
     return msg
+
+
+_unpackb = msgpack.unpackb
 
 
 def _check_free(v, depth):
@@ -122,40 +131,60 @@ def need(msg, n, name):
         raise malformed("%s: %d elements, want at least %d", name, len(msg), n)
 
 
+def _u64(v, field):
+    # uint() and the 64-bit bound in one test on the common path.
+    if type(v) is int and 0 <= v <= U64:
+        return v
+    uint(v, field)
+    raise malformed("%s: more than 64 bits", field)
+
+
 class Offer:
     """A decoded, checked offer (section 4)."""
     __slots__ = ("seq", "alloc_id", "generation", "handle", "alloc_size", "offset",
                  "size", "device_uuid", "event_handle", "meta", "nfds", "handle_kind",
-                 "fds", "received_ns")
+                 "received_ns")
 
     @classmethod
-    def parse(cls, m):
-        need(m, 12, "offer")
+    def parse(cls, m, body_len=None):
+        """m: a decoded offer. body_len: the frame body's size, when known:
+        a body of at most MAX_META bytes cannot hold a larger meta, so the
+        meta is measured only in larger frames."""
+        if len(m) < 12:
+            need(m, 12, "offer")
         o = cls()
-        o.seq = uint(m[1], "offer.seq")
-        o.alloc_id = uint(m[2], "offer.alloc_id")
-        o.generation = uint(m[3], "offer.generation")
-        o.handle = binn(m[4], 64, "offer.handle")
-        o.alloc_size = uint(m[5], "offer.alloc_size")
-        o.offset = uint(m[6], "offer.offset")
-        o.size = uint(m[7], "offer.size")
-        for f in ("seq", "alloc_id", "generation", "alloc_size", "offset", "size"):
-            if getattr(o, f) > U64:
-                raise malformed("offer.%s: more than 64 bits", f)
+        o.seq = _u64(m[1], "offer.seq")
+        o.alloc_id = _u64(m[2], "offer.alloc_id")
+        o.generation = _u64(m[3], "offer.generation")
+        h = m[4]
+        o.handle = h if type(h) is bytes and len(h) == 64 else binn(h, 64, "offer.handle")
+        o.alloc_size = _u64(m[5], "offer.alloc_size")
+        o.offset = _u64(m[6], "offer.offset")
+        o.size = _u64(m[7], "offer.size")
         if o.offset + o.size > o.alloc_size:
             raise malformed("offer: offset %d + size %d beyond alloc_size %d", o.offset, o.size, o.alloc_size)
-        o.device_uuid = binn(m[8], 16, "offer.device_uuid")
-        o.event_handle = None if m[9] is None else binn(m[9], 64, "offer.event_handle")
+        u = m[8]
+        o.device_uuid = u if type(u) is bytes and len(u) == 16 else binn(u, 16, "offer.device_uuid")
+        e = m[9]
+        o.event_handle = None if e is None else (e if type(e) is bytes and len(e) == 64 else binn(e, 64, "offer.event_handle"))
         o.meta = m[10]
-        if len(msgpack.packb(o.meta, use_bin_type=True)) > MAX_META:
+        if (body_len is None or body_len > MAX_META) and len(msgpack.packb(o.meta, use_bin_type=True)) > MAX_META:
             raise malformed("offer.meta: more than %d bytes", MAX_META)
-        o.nfds = uint(m[11], "offer.nfds")
-        if o.nfds > MAX_FDS:
-            raise malformed("offer.nfds: %d, limit %d", o.nfds, MAX_FDS)
-        o.handle_kind = uint(m[12], "offer.handle_kind") if len(m) > 12 else HANDLE_CUDA_IPC
-        o.fds = []
-        o.received_ns = time.monotonic_ns()
+        n = m[11]
+        if not (type(n) is int and 0 <= n <= MAX_FDS):
+            if uint(n, "offer.nfds") > MAX_FDS:
+                raise malformed("offer.nfds: %d, limit %d", n, MAX_FDS)
+        o.nfds = n
+        if len(m) > 12:
+            k = m[12]
+            o.handle_kind = k if type(k) is int and 0 <= k <= 0xff else uint(k, "offer.handle_kind")
+        else:
+            o.handle_kind = HANDLE_CUDA_IPC
+        o.received_ns = _monotonic_ns()
         return o
+
+
+_monotonic_ns = time.monotonic_ns
 
 
 class FrameReader:
@@ -169,6 +198,7 @@ class FrameReader:
     def __init__(self, sock, frame_timeout=10.0):
         self.sock = sock
         self.buf = bytearray()
+        self.pos = 0   # where the unread part of buf starts
         self.fds = []  # received, not yet claimed by an offer
         self.frame_timeout = frame_timeout
         self.partial_since = None
@@ -191,22 +221,32 @@ class FrameReader:
 
     def next_frame(self):
         """Returns the next whole frame body in the buffer, or None."""
-        if len(self.buf) < 4:
+        buf, pos = self.buf, self.pos
+        have = len(buf) - pos
+        if have < 4:
             return None
-        (n,) = struct.unpack_from(">I", self.buf)
+        (n,) = _unpack_len(buf, pos)
         if n == 0:
             raise malformed("frame of length 0")
         if n > FRAME_CAP:
             raise ProtocolError(errors.FRAME_TOO_LARGE, "frame of %d bytes, cap %d" % (n, FRAME_CAP))
-        if len(self.buf) < 4 + n:
+        if have < 4 + n:
             return None
         self.partial_since = None
-        body = bytes(self.buf[4:4 + n])
-        del self.buf[:4 + n]
+        end = pos + 4 + n
+        body = buf[pos + 4:end]
+        if end == len(buf):
+            buf.clear()
+            self.pos = 0
+        else:
+            self.pos = end
         return body
 
     def fill(self, accept_fds):
         """One recvmsg: appends what arrived. Returns False at end of stream."""
+        if self.pos:
+            del self.buf[:self.pos]  # frames read already
+            self.pos = 0
         want = min(READ_CHUNK, 4 + FRAME_CAP - len(self.buf)) if len(self.buf) < 4 + FRAME_CAP else 1
         data, anc, flags, _ = self.sock.recvmsg(max(want, 1), socket.CMSG_SPACE(MAX_FDS * 4))
         got = []
@@ -241,7 +281,7 @@ class FrameReader:
     def check_partial(self, now):
         """Raises a timeout error if half a frame has waited too long;
         checks descriptors that no frame can claim (section 5)."""
-        if not self.buf:
+        if len(self.buf) == self.pos:
             self.partial_since = None
             if self.fds:
                 raise malformed("%d descriptors arrived with no message to claim them", len(self.fds))
