@@ -845,14 +845,13 @@ func (c *Conn) lockRoom(ctx context.Context, offer bool) error {
 
 // unlockAndKick accounts for the frames queued from off and unlocks mu,
 // then sees them written. If the socket is idle and has been for a while,
-// and the peer has no other offer in hand (it may be waiting for this
-// message), it writes them at once on this goroutine, without waiting: a
-// lone send costs one write and no hand-off. Otherwise, or for what the socket would
+// it writes them at once on this goroutine, without waiting: a lone send
+// costs one write and no hand-off. Otherwise, or for what the socket would
 // not take, it wakes the writer goroutine, which writes everything queued
 // by then in one go.
 func (c *Conn) unlockAndKick(off int) {
 	c.queued += uint64(len(c.out) - off)
-	if c.writing || len(c.outFDs) > 0 || c.pipelined() || time.Since(c.lastWrite) < streamGap {
+	if c.writing || len(c.outFDs) > 0 || time.Since(c.lastWrite) < streamGap {
 		c.mu.Unlock()
 		c.kickWriter()
 		return
@@ -860,17 +859,6 @@ func (c *Conn) unlockAndKick(off int) {
 	if c.writeNow() {
 		c.kickWriter()
 	}
-}
-
-// pipelined reports whether other offers are in flight besides the one
-// just sent (a producer) or after the releases just queued (a consumer):
-// the peer has work in hand, so what was queued is not waited for and
-// leaves with the next messages in one write. mu held.
-func (c *Conn) pipelined() bool {
-	if c.cfg.Role == RoleProducer {
-		return c.outstanding > 1
-	}
-	return c.outstanding > 0
 }
 
 func (c *Conn) kickWriter() {
