@@ -47,28 +47,40 @@ func (e *Exporter) Offer(ctx context.Context, b *Buffer, opts OfferOptions) erro
 		return err
 	}
 	e.mu.Lock()
-	var c *consumer
+	defer e.mu.Unlock()
 	for {
 		if err := e.lendableLocked(b); err != nil {
-			e.mu.Unlock()
 			return err
 		}
-		if c = e.pickLocked(); c != nil {
-			break
+		c := e.pickLocked()
+		if c == nil {
+			if err := e.waitLocked(ctx, &e.creditWait); err != nil {
+				return err
+			}
+			continue
 		}
-		if err := e.waitLocked(ctx, &e.creditWait); err != nil {
-			e.mu.Unlock()
+		seq, gen, m := e.reserveLocked(c, b)
+		ev := b.ev
+		e.mu.Unlock()
+		err := e.send(ctx, c, b, m, seq, gen, ev, &opts, true)
+		e.mu.Lock()
+		e.finishLocked(c, b, seq, err)
+		if err == nil || ctx.Err() != nil || !connectionFailed(err) {
 			return err
 		}
+		// That consumer's connection failed under the send (it went
+		// away, or stopped reading): its receive loop drops it. The
+		// buffer goes to another consumer; one consumer's end never
+		// fails the producer's Offer.
+		e.deactivateLocked(c)
 	}
-	seq, gen, m := e.reserveLocked(c, b)
-	ev := b.ev
-	e.mu.Unlock()
-	err := e.send(ctx, c, b, m, seq, gen, ev, &opts, true)
-	e.mu.Lock()
-	e.finishLocked(c, b, seq, err)
-	e.mu.Unlock()
-	return err
+}
+
+// connectionFailed reports whether err, from a send to a consumer, means
+// that the consumer's connection failed (rather than the exporter).
+func connectionFailed(err error) bool {
+	return errors.Is(err, transport.ErrClosed) || errors.Is(err, transport.ErrDisconnected) ||
+		errors.Is(err, transport.ErrWriteTimeout) || errors.Is(err, transport.ErrRemote)
 }
 
 // Broadcast lends b to every consumer that keeps up, and returns how many
@@ -147,8 +159,7 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 			record = false
 		case ctx.Err() != nil || errors.Is(err, ErrClosed):
 			return n, err
-		case errors.Is(err, transport.ErrClosed), errors.Is(err, transport.ErrDisconnected),
-			errors.Is(err, transport.ErrWriteTimeout), errors.Is(err, transport.ErrRemote):
+		case connectionFailed(err):
 			// This consumer is going away; its receive loop drops it.
 		default:
 			return n, err
