@@ -216,15 +216,6 @@ func (c *Context) CopyDtoDAsync(dst, src DevicePtr, n uint64, s *Stream) error {
 	return check(c.a.MemcpyDtoDAsync(api.DevicePtr(dst), api.DevicePtr(src), n, s.handle()), "cuMemcpyDtoDAsync_v2")
 }
 
-// CopyPeer is cuMemcpyPeer: n bytes from src in srcCtx to dst in c.
-func (c *Context) CopyPeer(dst DevicePtr, src DevicePtr, srcCtx *Context, n uint64) error {
-	if err := c.enter(); err != nil {
-		return err
-	}
-	defer c.exit()
-	return check(c.a.MemcpyPeer(api.DevicePtr(dst), c.h, api.DevicePtr(src), srcCtx.h, n), "cuMemcpyPeer")
-}
-
 // EnablePeerAccess is cuCtxEnablePeerAccess: c may then access memory of
 // peer's allocations. Access is one way.
 func (c *Context) EnablePeerAccess(peer *Context) error {

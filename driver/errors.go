@@ -67,7 +67,9 @@ var (
 	ErrNoBackend = errors.New("driver: no usable backend")
 	// ErrUnknownBackend: the backend name is not auto, cuda or sim.
 	ErrUnknownBackend = errors.New("driver: unknown backend")
-	// ErrClosed: the object was closed.
+	// ErrClosed: a Context (any call made in it) or a VMM Allocation was
+	// used after its Close. share.ErrClosed, not this, is
+	// what share's API returns after an Exporter or Importer is closed.
 	ErrClosed = errors.New("driver: use of closed object")
 	// ErrStrictUnsupported: the backend does not record lifetime violations
 	// (the real driver does not; only the simulator is strict).

@@ -13,9 +13,9 @@ import (
 	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
+	"github.com/seed743c36cf/cudashare/internal/sharetest"
 	"github.com/seed743c36cf/cudashare/pool"
 	"github.com/seed743c36cf/cudashare/share"
-	"github.com/seed743c36cf/cudashare/share/sharetest"
 )
 
 // TestMain runs the tests, or a producer routine when the test binary is

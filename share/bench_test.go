@@ -11,8 +11,8 @@ import (
 	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
+	"github.com/seed743c36cf/cudashare/internal/sharetest"
 	"github.com/seed743c36cf/cudashare/share"
-	"github.com/seed743c36cf/cudashare/share/sharetest"
 )
 
 // BenchmarkHandoff measures handoffs (offer -> consumer in another process

@@ -147,7 +147,8 @@ func (b *Buffer) WaitOn(ctx context.Context, s *driver.Stream) error {
 // returns to the arena, and a ring buffer to its ring, once no consumer
 // holds it: Free does not wait, and the producer may forget the buffer
 // right after offering it. Free is idempotent. A registered buffer has
-// nothing to give back (its memory is the caller's): use Retire.
+// nothing to give back (its memory is the caller's): Free returns
+// ErrRegistered; use Retire.
 func (b *Buffer) Free() error {
 	e := b.e
 	e.mu.Lock()
@@ -173,7 +174,7 @@ func (b *Buffer) Free() error {
 		}
 		return nil
 	}
-	return errors.New("share: Free of a registered buffer: its memory belongs to the caller; use Exporter.Retire")
+	return ErrRegistered
 }
 
 // releaseAfterLocked drops b's stream-ordered release events: b is never

@@ -13,8 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/seed743c36cf/cudashare/internal/sharetest"
 	"github.com/seed743c36cf/cudashare/share"
-	"github.com/seed743c36cf/cudashare/share/sharetest"
 )
 
 // TestDialWaitsForTheSocket: a producer that starts listening 200 ms after

@@ -10,7 +10,16 @@ import "errors"
 // works too.
 var (
 	// ErrClosed: the Exporter, Importer or Ring was closed or shut down
-	// on this side.
+	// on this side. It is the one "closed" error of this package's API:
+	// Next after an Importer's Shutdown or Close, a Lease's CopyToHost or
+	// WaitOn after its Importer's Close, Offer, Register, NewRing, Acquire
+	// or WaitConsumers after an Exporter's Shutdown or Close. A consumer's
+	// connection that closes under an Exporter is not an error of the
+	// exporter (the consumer is dropped), and the transport.ErrClosed of
+	// the Importer's own connection never reaches its caller, so a share
+	// user matches only this sentinel. (transport.ErrClosed and
+	// driver.ErrClosed are the same idea one layer down, for callers of
+	// those packages.)
 	ErrClosed = errors.New("share: closed")
 	// ErrProducerGone: the producer said goodbye or vanished. After a
 	// goodbye the error also matches io.EOF: the stream ended cleanly.
@@ -39,4 +48,11 @@ var (
 	// read it (VMM sharing): it is never written again. A ring has put
 	// fresh memory in its place; take another buffer.
 	ErrAbandoned = errors.New("share: buffer abandoned to a lost consumer")
+	// ErrForeignBuffer: the buffer was made by another Exporter (or is
+	// nil); an exporter offers, broadcasts and retires only its own.
+	ErrForeignBuffer = errors.New("share: the buffer does not belong to this exporter")
+	// ErrRegistered: Free of a registered buffer (Exporter.Register). Its
+	// memory is the caller's: there is nothing to give back; use
+	// Exporter.Retire to stop sharing it, then free the memory.
+	ErrRegistered = errors.New("share: Free of a registered buffer: its memory belongs to the caller; use Exporter.Retire")
 )

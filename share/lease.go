@@ -177,12 +177,17 @@ func (l *Lease) Stream() *driver.Stream { return l.stream }
 // queues a wait on the producer's event if the offer carried one, and
 // does nothing if the offer carried none (the buffer was complete when
 // offered) or s is the lease's own Stream. It never blocks the host.
+// After Release it returns ErrReleased; after the importer's Close,
+// ErrClosed.
 func (l *Lease) WaitOn(s *driver.Stream) error {
 	if l != nil && l.done.Load() {
 		return ErrReleased
 	}
 	if l == nil || s == nil || l.ev == nil || s == l.stream {
 		return nil
+	}
+	if err := l.unmapped(); err != nil {
+		return err // its event is closed too
 	}
 	if err := s.WaitEvent(l.ev); err != nil {
 		return fmt.Errorf("share: make a stream wait for the producer's event: %w", err)

@@ -20,7 +20,8 @@ var ErrReleased = errors.New("share: lease released")
 // The copy is ordered after the producer's writes and after the work
 // queued so far on the lease's stream (Stream), and complete when it
 // returns: it waits for that stream on the host. dst may be Go memory or a
-// driver.HostBuffer's.
+// driver.HostBuffer's. After Release it fails with ErrReleased; after the
+// importer's Close (which closed the mapping), with ErrClosed.
 func (l *Lease) CopyToHost(dst []byte) (int, error) { return l.CopyToHostAt(dst, 0) }
 
 // CopyToHostAt is CopyToHost from byte off of the buffer: min(len(dst),
@@ -35,6 +36,9 @@ func (l *Lease) CopyToHostAt(dst []byte, off uint64) (int, error) {
 	}
 	if off > l.size {
 		return 0, fmt.Errorf("share: copy from byte %d of a %d-byte lease: %w", off, l.size, driver.ErrInvalidValue)
+	}
+	if err := l.unmapped(); err != nil {
+		return 0, err
 	}
 	n := min(uint64(len(dst)), l.size-off)
 	if n == 0 {
@@ -83,4 +87,19 @@ func CopyElements[T Element](l *Lease, dst []T) (int, error) {
 	}
 	n, err := l.CopyToHost(b)
 	return n / size, err
+}
+
+// unmapped returns an error matching ErrClosed if the importer was closed
+// and with it the lease's mapping: the pointer may meanwhile name other
+// memory, so nothing may be read through it. A Close that runs during a
+// copy is the caller's race, as for any use of Ptr.
+func (l *Lease) unmapped() error {
+	im := l.st.im
+	im.mu.Lock()
+	closed := im.state == stateClosed || l.a.closed
+	im.mu.Unlock()
+	if closed {
+		return fmt.Errorf("share: lease %d: the importer was closed and its mapping with it: %w", l.seq, ErrClosed)
+	}
+	return nil
 }

@@ -5,7 +5,7 @@ package share_test
 import (
 	"testing"
 
-	"github.com/seed743c36cf/cudashare/share/sharetest"
+	"github.com/seed743c36cf/cudashare/internal/sharetest"
 )
 
 // TestMain runs the tests, or a producer or consumer routine when the test

@@ -14,8 +14,8 @@ import (
 	"github.com/vmihailenco/msgpack/v5"
 
 	"github.com/seed743c36cf/cudashare/driver"
+	"github.com/seed743c36cf/cudashare/internal/sharetest"
 	"github.com/seed743c36cf/cudashare/share"
-	"github.com/seed743c36cf/cudashare/share/sharetest"
 )
 
 // TestArrayMetaRoundTrip: ArrayMeta encodes to the section 4.2 map (what a

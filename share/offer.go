@@ -38,7 +38,8 @@ type OfferOptions struct {
 //
 // The consumer holds the lease until it releases it; b.Wait, a Ring or an
 // arena buffer's Free tell the producer when that is. The producer must
-// not write b while it is leased.
+// not write b while it is leased. b must be a buffer of e: another
+// exporter's gives ErrForeignBuffer.
 func (e *Exporter) Offer(ctx context.Context, b *Buffer, opts OfferOptions) error {
 	if err := ctx.Err(); err != nil {
 		return err // a loop bounded by its context must end even when credit is free
@@ -241,7 +242,7 @@ func (e *Exporter) takesLocked(c *consumer, b *Buffer) bool {
 // own checks that b is a buffer of e.
 func (e *Exporter) own(b *Buffer) error {
 	if b == nil || b.e != e {
-		return errors.New("share: the buffer does not belong to this exporter")
+		return ErrForeignBuffer
 	}
 	return nil
 }

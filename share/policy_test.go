@@ -12,8 +12,8 @@ import (
 	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
+	"github.com/seed743c36cf/cudashare/internal/sharetest"
 	"github.com/seed743c36cf/cudashare/share"
-	"github.com/seed743c36cf/cudashare/share/sharetest"
 )
 
 // These tests prove the exporter's policy towards consumers that are slow,

@@ -14,8 +14,8 @@ import (
 
 	"github.com/seed743c36cf/cudashare/driver"
 
+	"github.com/seed743c36cf/cudashare/internal/sharetest"
 	"github.com/seed743c36cf/cudashare/share"
-	"github.com/seed743c36cf/cudashare/share/sharetest"
 )
 
 // newExporter starts an exporter on a fresh socket in env's context of

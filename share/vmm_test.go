@@ -8,8 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/seed743c36cf/cudashare/internal/sharetest"
 	"github.com/seed743c36cf/cudashare/share"
-	"github.com/seed743c36cf/cudashare/share/sharetest"
 )
 
 // TestVMMRingReplacesAbandonedGroup: a ring of 8 x 1 MiB with VMM lies in

@@ -17,8 +17,8 @@ type Config struct {
 	// in the handshake. At most MaxDevices.
 	Devices []UUID
 	// Credits is a consumer's initial window: the most offers it may hold
-	// at once before it grants more with SendCredit. Zero means 64; a
-	// producer ignores it.
+	// at once before it grants more with SendCredit. Zero means 64; at
+	// most MaxWindow; a producer ignores it.
 	Credits uint32
 	// AcceptFDs advertises CapFDs: this side accepts descriptors with an
 	// offer. Without it, a peer that sends descriptors is a protocol error
@@ -113,8 +113,8 @@ func (cfg Config) resolve() (Config, error) {
 	if cfg.Credits == 0 {
 		cfg.Credits = def.Credits
 	}
-	if cfg.Credits > MaxCredits {
-		return cfg, fmt.Errorf("transport: invalid config: Credits %d, limit %d", cfg.Credits, MaxCredits)
+	if cfg.Credits > MaxWindow {
+		return cfg, fmt.Errorf("transport: invalid config: Credits %d, limit %d", cfg.Credits, MaxWindow)
 	}
 	if len(cfg.AllowedUIDs) == 0 {
 		cfg.AllowedUIDs = def.AllowedUIDs

@@ -502,8 +502,8 @@ func (c *Conn) admit(kind Kind, m *Message) error {
 	case KindCredit:
 		c.mu.Lock()
 		defer c.mu.Unlock()
-		if c.window+uint64(m.Credits) > MaxCredits {
-			return fmt.Errorf("%w: window of %d credits, limit %d", ErrCredit, c.window+uint64(m.Credits), MaxCredits)
+		if c.window+uint64(m.Credits) > MaxWindow {
+			return fmt.Errorf("%w: window of %d credits, limit %d", ErrCredit, c.window+uint64(m.Credits), MaxWindow)
 		}
 		c.window += uint64(m.Credits)
 		c.wakeLocked()
@@ -720,9 +720,9 @@ func (c *Conn) sendUint(ctx context.Context, k Kind, v uint64) error {
 		return err
 	}
 	if k == KindCredit {
-		if c.window+v > MaxCredits {
+		if c.window+v > MaxWindow {
 			c.mu.Unlock()
-			return fmt.Errorf("%w: window of %d credits, limit %d", ErrCredit, c.window+v, MaxCredits)
+			return fmt.Errorf("%w: window of %d credits, limit %d", ErrCredit, c.window+v, MaxWindow)
 		}
 		c.window += v
 	}

@@ -408,7 +408,7 @@ func TestHostileInput(t *testing.T) {
 			p.sendMsg(KindRelease, []any{1})
 		}, ErrCredit, codeCredit},
 		{"credit past the limit", RoleProducer, func(p *rawPeer) {
-			p.sendMsg(KindCredit, MaxCredits)
+			p.sendMsg(KindCredit, MaxWindow)
 		}, ErrCredit, codeCredit},
 		{"truncated frame", RoleConsumer, func(p *rawPeer) {
 			p.write(frame(mustMarshal(offerElems(1, 0)))[:20])
@@ -623,7 +623,7 @@ func TestWriteTimeout(t *testing.T) {
 	cfg := testConfig(RoleProducer, nil)
 	cfg.WriteTimeout = 200 * time.Millisecond
 	cfg.MaxQueued = MinFrameSize
-	prod, _ := rawConsumer(t, cfg, MaxCredits) // and never reads
+	prod, _ := rawConsumer(t, cfg, MaxWindow) // and never reads
 	o := testOffer()
 	o.Meta = mustMarshal(strings.Repeat("x", 4000))
 	ctx := testCtx(t)
@@ -644,7 +644,7 @@ func TestWriteTimeout(t *testing.T) {
 func TestSendContext(t *testing.T) {
 	cfg := testConfig(RoleProducer, nil)
 	cfg.MaxQueued = MinFrameSize
-	prod, _ := rawConsumer(t, cfg, MaxCredits) // and never reads
+	prod, _ := rawConsumer(t, cfg, MaxWindow) // and never reads
 	o := testOffer()
 	o.Meta = mustMarshal(strings.Repeat("x", 4000))
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
@@ -810,7 +810,7 @@ func TestConfigValidation(t *testing.T) {
 		"frame too large":  {Role: RoleProducer, MaxFrameSize: MaxFrameSizeLimit + 1},
 		"queue too small":  {Role: RoleProducer, MaxQueued: 10},
 		"too many devices": {Role: RoleProducer, Devices: make([]UUID, MaxDevices+1)},
-		"credits":          {Role: RoleConsumer, Credits: MaxCredits + 1},
+		"credits":          {Role: RoleConsumer, Credits: MaxWindow + 1},
 		"negative timeout": {Role: RoleConsumer, WriteTimeout: -1},
 	} {
 		if _, err := Listen(context.Background(), socketDir(t)+"/sock", cfg); err == nil {

@@ -9,7 +9,11 @@ import (
 // Errors. Every error this package returns for a protocol or connection
 // failure matches one of these with errors.Is, and names the peer.
 var (
-	// ErrClosed: the connection or listener was closed on this side.
+	// ErrClosed: the Conn or Listener was closed on this side, and every
+	// later call on it returns this. It is for direct users of transport;
+	// share does not pass it on: its Exporter and Importer report their
+	// own closing with share.ErrClosed. A peer that went away is
+	// ErrDisconnected (or io.EOF after its goodbye), not ErrClosed.
 	ErrClosed = errors.New("transport: closed")
 	// ErrFrameTooLarge: a frame's length prefix exceeds the frame cap.
 	ErrFrameTooLarge = errors.New("transport: frame too large")

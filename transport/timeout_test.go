@@ -78,7 +78,7 @@ func TestSlowReaderNotTimedOut(t *testing.T) {
 	pcfg := testConfig(RoleProducer, nil)
 	pcfg.WriteTimeout = 300 * time.Millisecond
 	pcfg.MaxQueued = 8 << 20
-	prod, p := rawConsumer(t, pcfg, MaxCredits)
+	prod, p := rawConsumer(t, pcfg, MaxWindow)
 	// A small socket buffer, so that the queue drains at the reader's
 	// pace whatever the system's default.
 	if err := prod.nc.SetWriteBuffer(64 << 10); err != nil {
@@ -129,7 +129,7 @@ func TestWriteTimeoutStalledPeer(t *testing.T) {
 		pcfg.MaxQueued = MinFrameSize
 		l := listen(t, pcfg)
 		p := rawDial(t, l.Addr())
-		p.hello(RoleConsumer, MaxCredits, CapFDs) // and never reads
+		p.hello(RoleConsumer, MaxWindow, CapFDs) // and never reads
 		prod, err := l.Accept(testCtx(t))
 		if err != nil {
 			t.Fatal(err)

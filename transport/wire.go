@@ -32,8 +32,12 @@ const (
 	MaxDevices = 64
 	// MaxFDs bounds the descriptors that travel with one message.
 	MaxFDs = 4
-	// MaxCredits bounds a producer's window of outstanding offers.
-	MaxCredits = 1 << 20
+	// MaxWindow is the protocol's bound on a consumer's window, the
+	// offers a producer may have outstanding on one connection: the
+	// initial credits of the hello (Config.Credits) plus every credit
+	// message (PROTOCOL.md, flow control). share.MaxCredits, a lower
+	// limit of the Go importer's own configuration, is another bound.
+	MaxWindow = 1 << 20
 
 	// maxDepth bounds the nesting of any msgpack value we walk, so that a
 	// hostile frame cannot exhaust the stack.
@@ -650,8 +654,8 @@ func (d *decoder) decode(body []byte, m *Message) (Kind, error) {
 		if err = needFields(kind, n, want); err == nil {
 			var v uint64
 			v, err = r.uint("credit.n")
-			if err == nil && (v == 0 || v > MaxCredits) {
-				err = malformed("credit.n: %d, want 1..%d", v, MaxCredits)
+			if err == nil && (v == 0 || v > MaxWindow) {
+				err = malformed("credit.n: %d, want 1..%d", v, MaxWindow)
 			}
 			m.Credits = uint32(v)
 		}
@@ -744,8 +748,8 @@ func (d *decoder) decodeHello(r *reader, n int, kind Kind) (err error) {
 	if h.credits, err = r.uint("hello.credits"); err != nil {
 		return err
 	}
-	if h.credits > MaxCredits {
-		return malformed("hello.credits: %d, limit %d", h.credits, MaxCredits)
+	if h.credits > MaxWindow {
+		return malformed("hello.credits: %d, limit %d", h.credits, MaxWindow)
 	}
 	return nil
 }

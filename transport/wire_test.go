@@ -248,7 +248,7 @@ func badBodies() []struct {
 		{"hello bad role", mustMarshal([]any{1, 1, 3, 1, make([]byte, 16), []any{}, 0, 0}), ErrMalformed},
 		{"hello too many devices", mustMarshal([]any{1, 1, 1, 1, make([]byte, 16), make([][]byte, 65), 0, 0}), ErrMalformed},
 		{"hello device not 16 bytes", mustMarshal([]any{1, 1, 1, 1, make([]byte, 16), [][]byte{{1}}, 0, 0}), ErrMalformed},
-		{"hello credits past limit", mustMarshal([]any{1, 1, 2, 1, make([]byte, 16), []any{}, 0, MaxCredits + 1}), ErrMalformed},
+		{"hello credits past limit", mustMarshal([]any{1, 1, 2, 1, make([]byte, 16), []any{}, 0, MaxWindow + 1}), ErrMalformed},
 	}
 }
 
