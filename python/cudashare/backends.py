@@ -55,6 +55,7 @@ class SimBackend:
 
     def __init__(self, device=0, reason="selected sim"):
         self.device = device
+        self.dl_device = (1, 0)  # kDLCPU: the mapping is host memory
         self.reason = reason
         self.device_uuid = None
 
@@ -237,6 +238,7 @@ class CudaBackend:
         self.released = False
         self.call("cuInit", 0)
         self.device = device
+        self.dl_device = (2, device)  # kDLCUDA, this process's ordinal
         dev = ctypes.c_int()
         self.call("cuDeviceGet", ctypes.byref(dev), device)
         self.dev = dev.value
