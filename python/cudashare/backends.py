@@ -55,6 +55,7 @@ class SimBackend:
 
     def __init__(self, device=0, reason="selected sim"):
         self.device = device
+        self.dl_device = (1, 0)  # kDLCPU: the mapping is host memory
         self.reason = reason
         self.device_uuid = None
 
@@ -188,19 +189,41 @@ _SIGS = {
 }
 
 
+# Calls that need no current context (device queries, context management).
+_NO_CTX = frozenset(("cuInit", "cuDeviceGet", "cuDeviceGetCount", "cuDeviceGetUuid", "cuDevicePrimaryCtxRetain",
+                     "cuDevicePrimaryCtxRelease_v2", "cuCtxSetCurrent", "cuGetErrorString"))
+
+
+class _Current(threading.local):
+    """Per thread: whether this backend's context was made current there."""
+    ok = False
+
+
 class CudaBackend:
     """The CUDA driver API through ctypes on libcuda.so.1. Every call runs
-    with the device's primary context current in the calling thread."""
+    with the device's primary context current in the calling thread.
+
+    Each driver function is bound once, as an attribute named after it
+    (``self.cuEventRecord``): no lookup by name per call. The context is
+    made current once per thread (a thread-local flag); a call that fails
+    in a thread whose flag was set makes the context current again and is
+    retried once (another library may have switched that thread's context),
+    so errors stay those of the call itself: DriverError(function, code).
+    The per-lease calls (wait_event, record) create no ctypes objects.
+
+    lib: a stand-in for the loaded libcuda.so.1 (tests); its functions get
+    the argtypes of _SIGS like the real ones."""
 
     name = "cuda"
     on_host = False
 
-    def __init__(self, device=0, reason="selected cuda"):
+    def __init__(self, device=0, reason="selected cuda", lib=None):
         self.reason = reason
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as e:
-            raise NotSupported("cannot load libcuda.so.1: %s" % e)
+        if lib is None:
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+            except OSError as e:
+                raise NotSupported("cannot load libcuda.so.1: %s" % e)
         self.fn = {}
         for name, args in _SIGS.items():
             try:
@@ -209,8 +232,13 @@ class CudaBackend:
                 raise NotSupported("libcuda.so.1 lacks %s (driver too old)" % name)
             f.argtypes, f.restype = args, ctypes.c_int
             self.fn[name] = f
+            setattr(self, name, f)
+        self._cur = _Current()
+        self.ctx = None
+        self.released = False
         self.call("cuInit", 0)
         self.device = device
+        self.dl_device = (2, device)  # kDLCUDA, this process's ordinal
         dev = ctypes.c_int()
         self.call("cuDeviceGet", ctypes.byref(dev), device)
         self.dev = dev.value
@@ -220,25 +248,37 @@ class CudaBackend:
         ctx = _P()
         self.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), self.dev)
         self.ctx = ctx.value
-        self.tls = threading.local()
-        self.released = False
+
+    def _make_current(self):
+        r = self.cuCtxSetCurrent(self.ctx)
+        if r:
+            self._cur.ok = False
+            raise DriverError("cuCtxSetCurrent", r, self.errstr(r))
+        self._cur.ok = True
+
+    def _failed(self, name, f, args, r):
+        """A call returned r: retried once with the context made current
+        again when this thread had it set before; raises DriverError."""
+        if name not in _NO_CTX and self._cur.ok:
+            self._make_current()
+            r = f(*args)
+            if not r:
+                return
+        raise DriverError(name, r, self.errstr(r))
 
     def call(self, name, *args):
-        if name != "cuInit" and name not in ("cuDeviceGet", "cuDeviceGetCount", "cuDeviceGetUuid",
-                                             "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2",
-                                             "cuCtxSetCurrent", "cuGetErrorString"):
-            if getattr(self.tls, "ctx", None) != self.ctx:
-                r = self.fn["cuCtxSetCurrent"](self.ctx)
-                if r:
-                    raise DriverError("cuCtxSetCurrent", r, self.errstr(r))
-                self.tls.ctx = self.ctx
-        r = self.fn[name](*args)
+        """Calls the driver function name (the context current first where
+        it needs one); raises DriverError(name, code) on failure."""
+        f = self.fn[name]
+        if not self._cur.ok and name not in _NO_CTX:
+            self._make_current()
+        r = f(*args)
         if r:
-            raise DriverError(name, r, self.errstr(r))
+            self._failed(name, f, args, r)
 
     def errstr(self, r):
         s = ctypes.c_char_p()
-        if self.fn["cuGetErrorString"](r, ctypes.byref(s)) == 0 and s.value:
+        if self.cuGetErrorString(r, ctypes.byref(s)) == 0 and s.value:
             return s.value.decode(errors="replace")
         return ""
 
@@ -276,13 +316,13 @@ class CudaBackend:
                     desc = _AccessDesc(CU_MEM_LOCATION_TYPE_DEVICE, self.dev, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
                     self.call("cuMemSetAccess", p.value, size, ctypes.byref(desc), 1)
                 except BaseException:
-                    self.fn["cuMemUnmap"](p.value, size)
+                    self.cuMemUnmap(p.value, size)
                     raise
             except BaseException:
-                self.fn["cuMemAddressFree"](p.value, size)
+                self.cuMemAddressFree(p.value, size)
                 raise
         except BaseException:
-            self.fn["cuMemRelease"](h.value)
+            self.cuMemRelease(h.value)
             raise
         return Mapping(offer.alloc_id, offer.handle_kind, p.value, size, offer.handle, extra=h.value)
 
@@ -298,12 +338,30 @@ class CudaBackend:
             self.call("cuMemRelease", m.extra)
 
     def open_event(self, handle):
+        """Opens a producer's event, once per handle (the consumer caches it)."""
         ev = _P()
         self.call("cuIpcOpenEventHandle", ctypes.byref(ev), _Handle64.of(handle))
         return ev.value
 
+    # The per-lease calls: one driver call each, no ctypes object made.
+
     def wait_event(self, ev, stream):
-        self.call("cuStreamWaitEvent", stream, ev, 0)
+        """Orders stream after ev (no host wait)."""
+        if not self._cur.ok:
+            self._make_current()
+        f = self.cuStreamWaitEvent
+        r = f(stream, ev, 0)
+        if r:
+            self._failed("cuStreamWaitEvent", f, (stream, ev, 0), r)
+
+    def record(self, ev, stream):
+        """Records ev (a release event) on stream."""
+        if not self._cur.ok:
+            self._make_current()
+        f = self.cuEventRecord
+        r = f(ev, stream)
+        if r:
+            self._failed("cuEventRecord", f, (ev, stream), r)
 
     def sync_event(self, ev):
         self.call("cuEventSynchronize", ev)
@@ -312,18 +370,17 @@ class CudaBackend:
         self.call("cuEventDestroy_v2", ev)
 
     def new_release_event(self):
+        """An interprocess event and its IPC handle, computed here once:
+        the consumer keeps one per stream and records it at each release."""
         ev = _P()
         self.call("cuEventCreate", ctypes.byref(ev), CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING)
         h = _Handle64()
         try:
             self.call("cuIpcGetEventHandle", ctypes.byref(h), ev.value)
         except BaseException:
-            self.fn["cuEventDestroy_v2"](ev.value)
+            self.cuEventDestroy_v2(ev.value)
             raise
         return ev.value, h.raw()
-
-    def record(self, ev, stream):
-        self.call("cuEventRecord", ev, stream)
 
     def stream_sync(self, stream):
         self.call("cuStreamSynchronize", stream)
@@ -337,7 +394,8 @@ class CudaBackend:
     def shutdown(self):
         if not self.released:
             self.released = True
-            self.fn["cuDevicePrimaryCtxRelease_v2"](self.dev)
+            if self.ctx is not None:
+                self.cuDevicePrimaryCtxRelease_v2(self.dev)
 
 
 def select(kind, device, producer_devices):

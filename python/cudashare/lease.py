@@ -132,24 +132,32 @@ class Lease:
         return {"version": 3, "shape": shape, "typestr": typestr, "data": (self.ptr, False), "strides": None}
 
     def __dlpack_device__(self):
-        if self._c._backend.on_host:
-            return (dlpack.K_DL_CPU, 0)
-        return (dlpack.K_DL_CUDA, self._c._backend.device)
+        return self._c._backend.dl_device
 
     def __dlpack__(self, stream=None, **_kw):
         """A "dltensor" capsule. stream is the consumer's stream (DLPack: an
         int, 1 the legacy default stream, 2 per-thread, None: legacy); it is
-        made to wait on the producer's event, so no host sync happens."""
-        dtype, shape = self.view()
-        ptr = self.ptr
-        if not self._c._backend.on_host:
-            s = 0 if stream in (None, 1) else stream
-            if s == -1:
-                s = None  # the consumer asked for no synchronization
-            if s is not None:
-                self._wait(s)
-        dt, did = self.__dlpack_device__()
-        return dlpack.capsule(ptr, shape, meta.DTYPES[dtype][2], dt, did, self)
+        made to wait on the producer's event (one cuStreamWaitEvent, once
+        per lease and stream), so no host sync happens. The tensor made of
+        it is a view valid until this lease's release."""
+        if self.released:
+            self._check()
+        m = self.meta
+        if type(m) is dict and "dtype" not in m and "shape" not in m:
+            dtype, shape = "uint8", (self.size,)
+        else:
+            dtype, shape = meta.view_of(m, self.size)
+        p = self._mapping.ptr
+        if p is None:
+            p = self.ptr  # raises NotSupported
+        b = self._c._backend
+        if not b.on_host and self._event is not None:
+            s = 0 if stream is None or stream == 1 else stream
+            if s != -1:  # -1: the consumer asked for no synchronization
+                if self._waited != s:
+                    self._wait(s)
+        dt, did = b.dl_device
+        return dlpack.capsule(p + self.offset, shape, meta.DTYPES[dtype][2], dt, did, self)
 
     # --- giving it back ---
 
