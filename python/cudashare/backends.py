@@ -142,7 +142,14 @@ class _Handle64(ctypes.Structure):
 
 
 class _UUID(ctypes.Structure):
+    """CUuuid. Read back with raw(): a ``c_char`` array's value stops at the
+    first zero byte (an H100 whose UUID starts 7f00... was taken for a
+    simulated device that way)."""
+
     _fields_ = [("bytes", ctypes.c_char * 16)]
+
+    def raw(self):
+        return ctypes.string_at(ctypes.addressof(self), 16)
 
 
 class _AccessDesc(ctypes.Structure):
@@ -244,7 +251,7 @@ class CudaBackend:
         self.dev = dev.value
         u = _UUID()
         self.call("cuDeviceGetUuid", ctypes.byref(u), self.dev)
-        self.device_uuid = bytes(u.bytes).ljust(16, b"\0")
+        self.device_uuid = u.raw()
         ctx = _P()
         self.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), self.dev)
         self.ctx = ctx.value
@@ -290,7 +297,7 @@ class CudaBackend:
             d, u = ctypes.c_int(), _UUID()
             self.call("cuDeviceGet", ctypes.byref(d), i)
             self.call("cuDeviceGetUuid", ctypes.byref(u), d.value)
-            out.append(bytes(u.bytes).ljust(16, b"\0"))
+            out.append(u.raw())
         return out
 
     def open(self, offer, fds):

@@ -55,7 +55,7 @@ def fake_lib():
         s[0] = b"fake error %d" % code
 
     def uuid(u, d):
-        ctypes.memmove(u, b"U" * 16, 16)
+        ctypes.memmove(u, state.get("uuid", b"U" * 16), 16)
 
     def retain(p, d):
         p[0] = CTX
@@ -96,6 +96,18 @@ def test_context_once_per_thread_and_per_lease_calls():
     t.start()
     t.join()
     assert names(calls, out[0]) == ["cuCtxSetCurrent", "cuEventRecord", "cuEventRecord"]
+    b.shutdown()
+
+
+def test_uuid_with_a_zero_byte_is_read_whole():
+    # An H100 whose UUID began 7f 00 was once taken for a simulated device:
+    # a c_char array's value stops at the first zero byte.
+    lib, calls, state = fake_lib()
+    want = bytes([0x7F, 0x00, 0xE0, 0x6C]) + bytes(range(1, 13))
+    state["uuid"] = want
+    b = backends.CudaBackend(0, lib=lib)
+    assert b.device_uuid == want
+    assert b.device_uuids() == [want]
     b.shutdown()
 
 
