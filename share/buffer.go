@@ -39,9 +39,12 @@ type Buffer struct {
 	// only): it is never written again (abandonLocked).
 	abandoned bool
 	// successor takes this ring buffer's place once it is idle: its
-	// allocation is being replaced (quarantineLocked).
-	successor *Buffer
-	idle      chan struct{} // closed when leases and sends reach zero; made by Wait
+	// allocation is being replaced (quarantineLocked); pred is the buffer
+	// a successor waits for, until it enters the ring. gone: the buffer
+	// left its ring for good (replaced).
+	successor, pred *Buffer
+	gone            bool
+	idle            chan struct{} // closed when leases and sends reach zero; made by Wait
 	// after are the release events of consumers that released b
 	// stream-ordered: its next write waits on them (settle). settling is
 	// the other half of a double buffer, so that neither allocates.
@@ -253,7 +256,7 @@ func (a *Arena) reclaimLocked() {
 type Ring struct {
 	e    *Exporter
 	rec  *allocRec     // its first allocation, to name the ring in errors
-	bufs []*Buffer     // Exporter.mu: a replaced buffer's successor takes its place
+	bufs []*Buffer     // the buffers it was made with: len(bufs) is its size
 	free chan *Buffer  // buffers ready to be acquired; room for all
 	dead chan struct{} // closed once the ring is retired
 	// Exporter.mu.
@@ -296,6 +299,7 @@ func (e *Exporter) NewRing(n int, size uint64) (*Ring, error) {
 		for j := i; j < min(i+per, n); j++ {
 			b := &Buffer{e: e, rec: rec, off: uint64(j-i) * stride, size: size, ring: r}
 			r.bufs[j] = b
+			rec.ringBufs = append(rec.ringBufs, b)
 			r.free <- b
 		}
 	}

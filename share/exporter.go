@@ -153,6 +153,7 @@ type allocRec struct {
 	// successors come in when they are idle.
 	quarantined bool
 	members     int
+	ringBufs    []*Buffer // a ring allocation's buffers, made with it
 }
 
 // expEvent is an interprocess event and its cached handle.

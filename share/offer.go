@@ -486,11 +486,13 @@ func (e *Exporter) idleLocked(b *Buffer) {
 			// Its allocation is being replaced: the successor takes its
 			// slot.
 			e.releaseAfterLocked(b)
-			b.ring.free <- b.successor
-			b.successor = nil
+			succ := b.successor
+			b.successor, succ.pred, b.gone = nil, nil, true
+			b.ring.free <- succ
 			e.memberIdleLocked(b.rec)
 		case b.abandoned:
 			// Never written again; its slot was refilled (or could not be).
+			b.gone = true
 			e.releaseAfterLocked(b)
 		default:
 			b.ring.free <- b // never blocks: the ring has room for all its buffers

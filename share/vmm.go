@@ -238,27 +238,40 @@ func (e *Exporter) quarantineLocked(r *Ring, old *allocRec) {
 	old.quarantined = true
 	e.stats.Replaced++
 	// Take the free buffers out, so that each slot is in the free list
-	// exactly once, as the buffer or as its successor.
-	wasFree := make(map[*Buffer]bool, len(r.bufs))
+	// exactly once, as the buffer or as its successor; the others go back.
+	wasFree := make(map[*Buffer]bool, cap(r.free))
 	for len(r.free) > 0 {
 		wasFree[<-r.free] = true
 	}
-	for i, x := range r.bufs {
-		if x.rec != old {
-			if wasFree[x] {
-				r.free <- x
-			}
-			continue
+	for _, x := range old.ringBufs {
+		if x.gone {
+			continue // left the ring already
 		}
 		nx := &Buffer{e: e, rec: nr, off: x.off, size: x.size, ring: r}
-		r.bufs[i] = nx
+		nr.ringBufs = append(nr.ringBufs, nx)
 		switch {
-		case wasFree[x], x.abandoned:
+		case x.pred != nil:
+			// x is the successor of a buffer of an older replaced
+			// allocation, and has not entered the ring yet: nx enters
+			// in its place.
+			x.pred.successor, nx.pred = nx, x.pred
+			x.pred, x.gone = nil, true
+		case wasFree[x]:
+			delete(wasFree, x)
+			x.gone = true
+			r.free <- nx
+		case x.abandoned:
+			x.gone = true
 			r.free <- nx
 		default:
-			x.successor = nx // it comes in when x is idle (idleLocked)
+			// Held by the producer, leased, or on its way out of the free
+			// list: nx comes in when x is idle (idleLocked).
+			x.successor, nx.pred = nx, x
 			old.members++
 		}
+	}
+	for x := range wasFree {
+		r.free <- x
 	}
 	e.log.Warn("share: a lost consumer may still read ring buffers; they are never written again, and fresh memory replaces them",
 		"old_alloc", old.id, "new_alloc", nr.id)

@@ -189,3 +189,100 @@ func TestLeaseWaitOn(t *testing.T) {
 	}
 	p.Wait()
 }
+
+// TestVMMRepeatedReplacement: consumers lost one after another, each while
+// holding a buffer and while the producer holds another of the same
+// allocation, so that replacements chain (a successor is replaced before
+// it ever entered the ring). The ring keeps all its buffers, every offer
+// succeeds, each replaced allocation is freed once idle, and a good
+// consumer gets every batch right.
+func TestVMMRepeatedReplacement(t *testing.T) {
+	env := sharetest.Setup(t)
+	mem := env.FreeMemory(t)
+	defer env.CheckMemory(t, mem)
+	e := newExporterWith(t, env, share.ExporterConfig{Sharing: share.SharingVMM})
+	good := startConsumer(t, e)
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	const n = 8
+	r, err := e.NewRing(n, 1<<20) // four allocations of two buffers
+	if err != nil {
+		t.Fatal(err)
+	}
+	batch := 0
+	offer := func(b *share.Buffer) {
+		t.Helper()
+		if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), uint64(batch)); err != nil {
+			t.Fatal(err)
+		}
+		if err := env.Ctx.Synchronize(); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Offer(ctx, b, share.OfferOptions{Meta: sharetest.Meta(uint64(batch))}); err != nil {
+			t.Fatalf("offer of batch %d: %v", batch, err)
+		}
+		batch++
+	}
+	const rounds = 6
+	var held []*share.Buffer
+	for round := range rounds {
+		lost := sharetest.Start(t, "rawconsumer", sharetest.EnvParam(sharetest.ParamPath, e.Addr()), sharetest.EnvParam(sharetest.ParamHold, 1))
+		lost.Expect("CONNECTED")
+		if err := e.WaitConsumers(ctx, 2); err != nil {
+			t.Fatal(err)
+		}
+		// Offer until the lost consumer holds one (the good one is picked
+		// too: the fewest leases first).
+		holds := make(chan struct{})
+		go func() { lost.Expect("HELD 1"); close(holds) }()
+		for waiting := true; waiting; {
+			b, err := r.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			offer(b)
+			select {
+			case <-holds:
+				waiting = false
+			case <-time.After(time.Millisecond):
+			}
+		}
+		// Held across two replacements: its successor is replaced before
+		// it ever enters the ring.
+		b, err := r.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		held = append(held, b)
+		lost.Send("disconnect")
+		lost.Expect("DISCONNECTED")
+		waitUntil(t, "the replacement", func() bool { return e.Stats().Replaced >= uint64(round+1) })
+		lost.Send("exit")
+		lost.Wait()
+		if len(held) == 2 {
+			offer(held[0])
+			held = held[1:]
+		}
+		for range 2 * n {
+			b, err := r.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			offer(b)
+		}
+	}
+	for _, b := range held {
+		offer(b)
+	}
+	waitUntil(t, "the replaced allocations to be freed", func() bool { return e.Stats().Allocations == 4 })
+	s := shutdown(t, e)
+	if s.Replaced < rounds || s.Offers != uint64(batch) || s.Releases != uint64(batch) {
+		t.Errorf("exporter stats %+v after %d offers", s, batch)
+	}
+	var rep sharetest.ConsumerReport
+	good.Report(&rep)
+	good.Wait()
+	checkConsumer(t, &rep, rep.Leases)
+}

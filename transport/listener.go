@@ -37,6 +37,7 @@ type Listener struct {
 	cfg    Config
 	ln     *net.UnixListener
 	path   string
+	ino    uint64 // the socket file's inode: Close removes path only while it is this one
 	conns  chan *Conn
 	ctx    context.Context // ends with Close
 	cancel context.CancelFunc
@@ -76,18 +77,15 @@ func Listen(ctx context.Context, path string, cfg Config) (*Listener, error) {
 	if err := removeStale(ctx, path); err != nil {
 		return nil, fmt.Errorf("transport: listen %s: %w", path, err)
 	}
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	ln, ino, err := listenAt(path)
 	if err != nil {
-		return nil, fmt.Errorf("transport: listen %s: %w", path, err)
-	}
-	if err := os.Chmod(path, 0o600); err != nil {
-		ln.Close()
 		return nil, fmt.Errorf("transport: listen %s: %w", path, err)
 	}
 	l := &Listener{
 		cfg:   cfg,
 		ln:    ln,
 		path:  path,
+		ino:   ino,
 		conns: make(chan *Conn),
 
 		pendingPer: make(map[int32]int),
@@ -97,6 +95,50 @@ func Listen(ctx context.Context, path string, cfg Config) (*Listener, error) {
 	l.wg.Add(1)
 	go l.acceptLoop()
 	return l, nil
+}
+
+// listenAt listens on a Unix socket that appears at path only once it
+// accepts connections: bound and listening under a temporary name in the
+// same directory, mode 0600, then hard-linked to path (which fails if
+// anything is there: two listeners never share a path) and the temporary
+// name removed. Bound in place, a dialer that finds the file between
+// bind(2) and listen(2) is refused (ECONNREFUSED), which a consumer started
+// with its producer was seen to hit. ino is the socket file's inode, so
+// that Close removes path only while it is still this listener's.
+func listenAt(path string) (ln *net.UnixListener, ino uint64, err error) {
+	tmp := fmt.Sprintf("%s.%d.tmp", path, os.Getpid())
+	if len(tmp) >= len(unix.RawSockaddrUnix{}.Path) {
+		tmp = path // too long for a socket address: bind in place
+	}
+	if tmp != path {
+		os.Remove(tmp) // left by a process of this pid that died
+	}
+	if ln, err = net.ListenUnix("unix", &net.UnixAddr{Name: tmp, Net: "unix"}); err != nil {
+		return nil, 0, err
+	}
+	ln.SetUnlinkOnClose(false) // Close removes path itself, if still ours
+	fail := func(err error) (*net.UnixListener, uint64, error) {
+		ln.Close()
+		os.Remove(tmp)
+		return nil, 0, err
+	}
+	if err := os.Chmod(tmp, 0o600); err != nil {
+		return fail(err)
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(tmp, &st); err != nil {
+		return fail(err)
+	}
+	if tmp != path {
+		if err := os.Link(tmp, path); err != nil {
+			if errors.Is(err, fs.ErrExist) {
+				err = fmt.Errorf("%s appeared meanwhile: %w", path, unix.EADDRINUSE)
+			}
+			return fail(err)
+		}
+		os.Remove(tmp)
+	}
+	return ln, st.Ino, nil
 }
 
 // privateDir makes sure dir exists and only this user can enter it.
@@ -175,6 +217,10 @@ func (l *Listener) Accept(ctx context.Context) (*Conn, error) {
 func (l *Listener) Close() error {
 	l.once.Do(func() {
 		l.cancel()
+		var st unix.Stat_t
+		if unix.Stat(l.path, &st) == nil && st.Ino == l.ino {
+			os.Remove(l.path) // before the close: no dialer is refused at a live-looking path
+		}
 		l.ln.Close()
 		l.wg.Wait()
 	})

@@ -106,3 +106,31 @@ func TestListenStaleSocket(t *testing.T) {
 		t.Fatalf("Listen over a live socket: %v, want EADDRINUSE", err)
 	}
 }
+
+// TestListenPathAppearsListening proves the socket file appears only once
+// it accepts connections (it is bound under a temporary name and linked
+// into place), leaves nothing else in the directory, is not taken from a
+// live listener, and goes with Close. A dialer racing a starting producer
+// was refused between bind(2) and listen(2) before.
+func TestListenPathAppearsListening(t *testing.T) {
+	dir := socketDir(t)
+	path := filepath.Join(dir, "sock")
+	l, err := Listen(context.Background(), path, testConfig(RoleProducer, nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(ents) != 1 || ents[0].Name() != "sock" {
+		t.Errorf("directory holds %v, want only the socket", ents)
+	}
+	if _, err := Listen(context.Background(), path, testConfig(RoleProducer, nil)); !errors.Is(err, unix.EADDRINUSE) {
+		t.Errorf("second Listen on a live path: %v, want EADDRINUSE", err)
+	}
+	l.Close()
+	if _, err := os.Lstat(path); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("after Close: %v, want the socket file gone", err)
+	}
+}
