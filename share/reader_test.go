@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/seed743c36cf/cudashare/share"
-	"github.com/seed743c36cf/cudashare/share/sharetest"
+	"github.com/seed743c36cf/cudashare/internal/sharetest"
 )
 
 // TestNextReadingStops proves that a Next waiting for an offer, which
