@@ -8,8 +8,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/seed743c36cf/cudashare/share"
 	"github.com/seed743c36cf/cudashare/internal/sharetest"
+	"github.com/seed743c36cf/cudashare/share"
 )
 
 // TestNextReadingStops proves that a Next waiting for an offer, which
