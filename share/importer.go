@@ -70,13 +70,11 @@ const (
 	stateClosed
 )
 
-// Importer is the consumer side: one connection to a producer. Offers are
-// received and mapped (through the registry: one open per allocation) by
-// the goroutine waiting in Next when nothing is queued, so that the lease
-// reaches it with no hop between goroutines, and otherwise by a goroutine
-// of the importer's own, which queues them for Next (reader.go). Either
-// answers the producer's retires as soon as no lease is in the
-// allocation, whether or not anyone calls Next.
+// Importer is the consumer side: one connection to a producer. A
+// goroutine of its own receives offers, maps them (through the registry:
+// one open per allocation) and queues them for Next, and answers the
+// producer's retires as soon as no lease is in the allocation, whether or
+// not anyone calls Next.
 type Importer struct {
 	dctx   *driver.Context
 	dev    driver.UUID
@@ -105,7 +103,6 @@ type Importer struct {
 	pushAt    int                          // pending releases that are pushed at once
 	pushTimer *time.Timer                  // pushes after releaseDelay
 	waiters   atomic.Int32                 // goroutines waiting in Next
-	rd        reader                       // who reads the connection
 	held      int                          // leases handed out and not released
 	heldZero  chan struct{}                // closed when held reaches 0; made by Shutdown
 	stats     ImporterStats
@@ -176,7 +173,6 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 	}
 	im.pushTimer = time.AfterFunc(time.Hour, im.push)
 	im.pushTimer.Stop()
-	im.rd.init(im)
 	go im.recvLoop()
 	return im, nil
 }
@@ -230,9 +226,24 @@ func (im *Importer) NextOn(ctx context.Context, s *driver.Stream) (*Lease, error
 	select {
 	case l = <-im.ready:
 	default:
-		var err error
-		if l, err = im.wait(ctx); err != nil {
-			return nil, err
+		// About to wait for the producer: what was released must reach
+		// it first, or it may have no credit to offer with.
+		im.push()
+		im.waiters.Add(1)
+		select {
+		case l = <-im.ready:
+			im.waiters.Add(-1)
+		case <-im.stop:
+			im.waiters.Add(-1)
+			if err := ctx.Err(); err != nil {
+				return nil, err
+			}
+			im.mu.Lock()
+			defer im.mu.Unlock()
+			return nil, im.ended
+		case <-ctx.Done():
+			im.waiters.Add(-1)
+			return nil, ctx.Err()
 		}
 	}
 	{
@@ -274,28 +285,38 @@ func (im *Importer) handOut(l *Lease) error {
 	return nil
 }
 
-// handle acts on one message of the producer; a goodbye ends the
-// connection with io.EOF. With take, an offer's lease (or error) is
-// returned instead of queued when nothing is queued before it.
-func (im *Importer) handle(m *transport.Message, take bool) (*Lease, error) {
-	switch m.Kind {
-	case transport.KindOffer:
-		return im.onOffer(&m.Offer, take), nil
-	case transport.KindRetire:
-		im.onRetire(m.AllocID)
-	case transport.KindGoodbye:
-		im.mu.Lock()
-		im.byeWhy = m.Reason
-		im.mu.Unlock()
-		return nil, io.EOF
+// recvLoop receives the producer's messages until the connection ends.
+func (im *Importer) recvLoop() {
+	defer close(im.recvDone)
+	var m transport.Message
+	var err error
+	for {
+		if err = im.conn.Recv(context.Background(), &m); err != nil {
+			break
+		}
+		switch m.Kind {
+		case transport.KindOffer:
+			im.onOffer(&m.Offer)
+		case transport.KindRetire:
+			im.onRetire(m.AllocID)
+		case transport.KindGoodbye:
+			im.mu.Lock()
+			im.byeWhy = m.Reason
+			im.mu.Unlock()
+			err = io.EOF
+		}
+		if err != nil {
+			break
+		}
 	}
-	return nil, nil
+	im.onEnd(err)
+	// Nothing comes after a goodbye; closing at once lets a producer that
+	// lingers after its goodbye finish.
+	im.conn.Close()
 }
 
-// onOffer maps an offer and queues its lease, or with take returns it if
-// the queue is empty (a Next reading takes it without a trip through the
-// queue).
-func (im *Importer) onOffer(o *transport.Offer, take bool) *Lease {
+// onOffer maps an offer and queues its lease.
+func (im *Importer) onOffer(o *transport.Offer) {
 	// The descriptors are ours; an import keeps what it needs.
 	defer func() {
 		for _, fd := range o.FDs {
@@ -307,7 +328,7 @@ func (im *Importer) onOffer(o *transport.Offer, take bool) *Lease {
 	if im.state != stateOpen {
 		// Shutting down: hand it straight back.
 		im.sendReleaseLocked(o.Seq, nil)
-		return nil
+		return
 	}
 	l, err := im.leaseLocked(o)
 	if errors.Is(err, transport.ErrMalformed) || errors.Is(err, transport.ErrNotSupported) {
@@ -318,10 +339,6 @@ func (im *Importer) onOffer(o *transport.Offer, take bool) *Lease {
 		im.sendReleaseLocked(o.Seq, nil)
 		l = &Lease{err: fmt.Errorf("share: offer %d of allocation %d: %w", o.Seq, o.AllocID, err)}
 	}
-	if take && len(im.ready) == 0 {
-		// Only onOffer queues, with mu held: nothing can come before l.
-		return l
-	}
 	select {
 	case im.ready <- l:
 	default:
@@ -329,7 +346,6 @@ func (im *Importer) onOffer(o *transport.Offer, take bool) *Lease {
 		// credits): drop this one.
 		im.log.Warn("share: dropping an offer error, too many queued", "err", l.err)
 	}
-	return nil
 }
 
 // leaseLocked maps o (or finds its mapping) and builds its lease.
@@ -556,10 +572,6 @@ func (im *Importer) endLocked(err error) {
 	if im.ended == nil {
 		im.ended = err
 		close(im.stop)
-		// A Next reading the connection returns; the background reader
-		// reads on (offers go back, retires and the goodbye are answered).
-		im.rd.interrupt()
-		im.rd.wakeBG()
 	}
 }
 
@@ -665,7 +677,6 @@ func (im *Importer) close(ctx context.Context, reason string) error {
 	im.conn.Close()
 	im.pushTimer.Stop()
 	<-im.recvDone
-	im.rd.stopTimers()
 	im.mu.Lock()
 	for h, ev := range im.events {
 		if cerr := ev.Close(); cerr != nil {

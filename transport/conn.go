@@ -253,17 +253,6 @@ func (c *Conn) Recv(ctx context.Context, m *Message) error {
 	return nil
 }
 
-// Buffered reports whether a whole message is buffered: the next Recv
-// returns it (or its error) without reading the socket. A caller that
-// has something to send before it waits for the peer (releases, say) sends
-// it only when Buffered is false.
-func (c *Conn) Buffered() bool {
-	c.rmu.Lock()
-	defer c.rmu.Unlock()
-	avail := c.w - c.r
-	return avail >= headerSize && avail >= headerSize+int(binary.BigEndian.Uint32(c.rbuf[c.r:]))
-}
-
 // readFrame returns the body of the next frame, a view into rbuf.
 func (c *Conn) readFrame(ctx context.Context) ([]byte, error) {
 	for {

@@ -30,45 +30,6 @@ func TestReceiveBufferGrows(t *testing.T) {
 	}
 }
 
-// TestBuffered proves Buffered reports a whole frame read from the socket
-// and not yet received, and not a partial one.
-func TestBuffered(t *testing.T) {
-	cons, p := rawProducer(t, testConfig(RoleConsumer, nil), 64)
-	if cons.Buffered() {
-		t.Fatal("Buffered on a new connection")
-	}
-	var b []byte
-	for _, id := range []uint64{1, 2} {
-		b = append(b, frame(mustMarshal([]any{KindRetire, id}))...)
-	}
-	f3 := frame(mustMarshal([]any{KindRetire, 3}))
-	p.write(append(b, f3[:3]...))
-	var m Message
-	if cons.Buffered() {
-		t.Fatal("Buffered with nothing read from the socket")
-	}
-	if err := cons.Recv(testCtx(t), &m); err != nil || m.AllocID != 1 {
-		t.Fatalf("message 1: %d, %v", m.AllocID, err)
-	}
-	// One write, read at once: the second frame is buffered.
-	if !cons.Buffered() {
-		t.Fatal("not Buffered with a whole frame read")
-	}
-	if err := cons.Recv(testCtx(t), &m); err != nil || m.AllocID != 2 {
-		t.Fatalf("message 2: %d, %v", m.AllocID, err)
-	}
-	if cons.Buffered() {
-		t.Fatal("Buffered with part of a frame")
-	}
-	p.write(f3[3:])
-	if err := cons.Recv(testCtx(t), &m); err != nil || m.AllocID != 3 {
-		t.Fatalf("message 3: %d, %v", m.AllocID, err)
-	}
-	if cons.Buffered() {
-		t.Fatal("Buffered with nothing")
-	}
-}
-
 // TestFrameTimeout proves a peer that holds half a frame past
 // FrameTimeout fails the connection with ErrTimeout and is told, that a
 // frame completed in time is received, and that an idle connection with
