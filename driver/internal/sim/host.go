@@ -87,40 +87,10 @@ func (d *Driver) MemFreeHost(p unsafe.Pointer) api.Result {
 // MemcpyHtoDAsync implements api.API. The stream is checked before the
 // size, so a bad stream is CUDA_ERROR_INVALID_HANDLE even for 0 bytes.
 func (d *Driver) MemcpyHtoDAsync(dst api.DevicePtr, src unsafe.Pointer, n uint64, stream api.Stream) api.Result {
-	if r := d.copyCall(stream, true); r != api.Success {
-		return r
-	}
-	defer d.mu.RUnlock()
-	if n == 0 {
-		return api.Success
-	}
-	if src == nil {
-		return api.ErrorInvalidValue
-	}
-	b, r := d.resolve(dst, n, "cuMemcpyHtoDAsync")
-	if r != api.Success {
-		return r
-	}
-	copy(b, unsafe.Slice((*byte)(src), n))
-	return api.Success
+	return d.memcpyHost(dst, src, n, stream, true, true, "cuMemcpyHtoDAsync")
 }
 
 // MemcpyDtoHAsync implements api.API.
 func (d *Driver) MemcpyDtoHAsync(dst unsafe.Pointer, src api.DevicePtr, n uint64, stream api.Stream) api.Result {
-	if r := d.copyCall(stream, true); r != api.Success {
-		return r
-	}
-	defer d.mu.RUnlock()
-	if n == 0 {
-		return api.Success
-	}
-	if dst == nil {
-		return api.ErrorInvalidValue
-	}
-	b, r := d.resolve(src, n, "cuMemcpyDtoHAsync")
-	if r != api.Success {
-		return r
-	}
-	copy(unsafe.Slice((*byte)(dst), n), b)
-	return api.Success
+	return d.memcpyHost(src, dst, n, stream, true, false, "cuMemcpyDtoHAsync")
 }

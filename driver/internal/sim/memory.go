@@ -436,41 +436,38 @@ func (d *Driver) MemsetD8Async(dst api.DevicePtr, value uint8, n uint64, stream 
 
 // MemcpyHtoD implements api.API.
 func (d *Driver) MemcpyHtoD(dst api.DevicePtr, src unsafe.Pointer, n uint64) api.Result {
-	if r := d.copyCall(0, false); r != api.Success {
-		return r
-	}
-	defer d.mu.RUnlock()
-	if n == 0 {
-		return api.Success
-	}
-	if src == nil {
-		return api.ErrorInvalidValue
-	}
-	b, r := d.resolve(dst, n, "cuMemcpyHtoD")
-	if r != api.Success {
-		return r
-	}
-	copy(b, unsafe.Slice((*byte)(src), n))
-	return api.Success
+	return d.memcpyHost(dst, src, n, 0, false, true, "cuMemcpyHtoD")
 }
 
 // MemcpyDtoH implements api.API.
 func (d *Driver) MemcpyDtoH(dst unsafe.Pointer, src api.DevicePtr, n uint64) api.Result {
-	if r := d.copyCall(0, false); r != api.Success {
+	return d.memcpyHost(src, dst, n, 0, false, false, "cuMemcpyDtoH")
+}
+
+// memcpyHost copies n bytes between device memory at dev and host memory
+// at host, toDevice saying which way; the async forms check stream first
+// (copyCall), so a bad stream is CUDA_ERROR_INVALID_HANDLE even for 0
+// bytes. Work is synchronous in the simulator.
+func (d *Driver) memcpyHost(dev api.DevicePtr, host unsafe.Pointer, n uint64, stream api.Stream, async, toDevice bool, call string) api.Result {
+	if r := d.copyCall(stream, async); r != api.Success {
 		return r
 	}
 	defer d.mu.RUnlock()
 	if n == 0 {
 		return api.Success
 	}
-	if dst == nil {
+	if host == nil {
 		return api.ErrorInvalidValue
 	}
-	b, r := d.resolve(src, n, "cuMemcpyDtoH")
+	b, r := d.resolve(dev, n, call)
 	if r != api.Success {
 		return r
 	}
-	copy(unsafe.Slice((*byte)(dst), n), b)
+	if toDevice {
+		copy(b, unsafe.Slice((*byte)(host), n))
+	} else {
+		copy(unsafe.Slice((*byte)(host), n), b)
+	}
 	return api.Success
 }
 
