@@ -374,7 +374,7 @@ func (e *Exporter) send(ctx context.Context, c *consumer, b *Buffer, m *mapping,
 	if rec.kind != transport.HandleFD {
 		return c.conn.SendOffer(ctx, &o)
 	}
-	return e.sendFD(ctx, c, &o, m)
+	return e.sendFD(ctx, c, rec, &o, m)
 }
 
 // finishLocked ends a reservation: on success the offer is out; on error

@@ -307,17 +307,14 @@ func (e *Exporter) retireQuarantinedLocked(old *allocRec) {
 // allocation to c carries an fd exported for c (each export is a new fd,
 // as the driver documents); later ones carry none (PROTOCOL.md, section
 // 4.1). c.sendMu keeps the fd-carrying offer ahead of the others.
-func (e *Exporter) sendFD(ctx context.Context, c *consumer, o *transport.Offer, m *mapping) error {
+//
+// The offer's reservation (rec.sending) keeps rec from being freed
+// meanwhile.
+func (e *Exporter) sendFD(ctx context.Context, c *consumer, rec *allocRec, o *transport.Offer, m *mapping) error {
 	c.sendMu.Lock()
 	defer c.sendMu.Unlock()
 	if m.fdSent {
 		return c.conn.SendOffer(ctx, o)
-	}
-	e.mu.Lock()
-	rec := e.allocs[o.AllocID]
-	e.mu.Unlock()
-	if rec == nil || rec.vmm == nil {
-		return fmt.Errorf("%w: allocation %d", ErrRetired, o.AllocID)
 	}
 	f, err := rec.exportFD()
 	if err != nil {
