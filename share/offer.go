@@ -60,21 +60,41 @@ func (e *Exporter) Offer(ctx context.Context, b *Buffer, opts OfferOptions) erro
 			}
 			continue
 		}
-		seq, gen, m := e.reserveLocked(c, b)
-		ev := b.ev
-		e.mu.Unlock()
-		err := e.send(ctx, c, b, m, seq, gen, ev, &opts, true)
-		e.mu.Lock()
-		e.finishLocked(c, b, seq, err)
-		if err == nil || ctx.Err() != nil || !connectionFailed(err) {
+		// A consumer whose connection failed under the send is dropped
+		// (lendLocked): the buffer goes to another consumer; one
+		// consumer's end never fails the producer's Offer.
+		if lent, err := e.lendLocked(ctx, c, b, &opts, true); lent || err != nil {
 			return err
 		}
-		// That consumer's connection failed under the send (it went
-		// away, or stopped reading): its receive loop drops it. The
-		// buffer goes to another consumer; one consumer's end never
-		// fails the producer's Offer.
-		e.deactivateLocked(c)
 	}
+}
+
+// lendLocked lends b to c, which the caller chose: it checks that b can
+// be lent, reserves a credit of c and a lease slot, sends the offer
+// (recording b's event first if record is set) and ends the reservation.
+// It reports whether the offer went out. When c's connection failed under
+// the send (it went away, or stopped reading), c is deactivated (its
+// receive loop drops it) and lendLocked reports neither lent nor an
+// error: the caller passes b to another consumer, or skips c. mu held; it
+// is released during the send.
+func (e *Exporter) lendLocked(ctx context.Context, c *consumer, b *Buffer, opts *OfferOptions, record bool) (bool, error) {
+	if err := e.lendableLocked(b); err != nil {
+		return false, err
+	}
+	seq, gen, m := e.reserveLocked(c, b)
+	ev := b.ev
+	e.mu.Unlock()
+	err := e.send(ctx, c, b, m, seq, gen, ev, opts, record)
+	e.mu.Lock()
+	e.finishLocked(c, b, seq, err)
+	switch {
+	case err == nil:
+		return true, nil
+	case ctx.Err() != nil || errors.Is(err, ErrClosed) || !connectionFailed(err):
+		return false, err
+	}
+	e.deactivateLocked(c)
+	return false, nil
 }
 
 // connectionFailed reports whether err, from a send to a consumer, means
@@ -103,9 +123,9 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 		return 0, err
 	}
 	e.mu.Lock()
+	defer e.mu.Unlock()
 	for {
 		if err := e.lendableLocked(b); err != nil {
-			e.mu.Unlock()
 			return 0, err
 		}
 		if slices.ContainsFunc(e.consumers, func(c *consumer) bool { return e.takesLocked(c, b) }) {
@@ -113,7 +133,6 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 		}
 		// Credit, a new consumer and a lost one all wake creditWait.
 		if err := e.waitLocked(ctx, &e.creditWait); err != nil {
-			e.mu.Unlock()
 			return 0, err
 		}
 	}
@@ -122,48 +141,31 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 	// ring (or free it) while the broadcast is still going.
 	b.sending++
 	b.rec.sending++
-	e.mu.Unlock()
-	defer func() {
-		e.mu.Lock()
-		e.unpinLocked(b)
-		e.mu.Unlock()
-	}()
+	defer e.unpinLocked(b) // runs before the deferred Unlock
 
 	record := true
 	n := 0
 	var deadline time.Time // of the grace, from the first wait
 	for _, c := range targets {
-		e.mu.Lock()
 		if err := e.lendableLocked(b); err != nil {
-			e.mu.Unlock()
 			return n, err
 		}
 		take, err := e.roomLocked(ctx, c, b, &deadline)
 		if err != nil {
-			e.mu.Unlock()
 			return n, err
 		}
 		if !take {
-			e.mu.Unlock()
 			continue
 		}
-		seq, gen, m := e.reserveLocked(c, b)
-		ev := b.ev
-		e.mu.Unlock()
-		err = e.send(ctx, c, b, m, seq, gen, ev, &opts, record)
-		e.mu.Lock()
-		e.finishLocked(c, b, seq, err)
-		e.mu.Unlock()
-		switch {
-		case err == nil:
+		// A consumer whose connection failed under the send is going
+		// away: lendLocked drops it, and it is skipped.
+		lent, err := e.lendLocked(ctx, c, b, &opts, record)
+		if err != nil {
+			return n, err
+		}
+		if lent {
 			n++
 			record = false
-		case ctx.Err() != nil || errors.Is(err, ErrClosed):
-			return n, err
-		case connectionFailed(err):
-			// This consumer is going away; its receive loop drops it.
-		default:
-			return n, err
 		}
 	}
 	return n, nil
