@@ -1,21 +1,17 @@
 package driver
 
 import (
-	"encoding/hex"
 	"fmt"
+
+	"github.com/seed743c36cf/cudashare/internal/uuid"
 
 	"github.com/seed743c36cf/cudashare/driver/internal/api"
 )
 
 // UUID identifies a device across processes; ordinals do not
-// (CUDA_VISIBLE_DEVICES renumbers them per process).
-type UUID [16]byte
-
-// String formats the UUID the way nvidia-smi does: GPU-xxxxxxxx-xxxx-....
-func (u UUID) String() string {
-	h := hex.EncodeToString(u[:])
-	return "GPU-" + h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:32]
-}
+// (CUDA_VISIBLE_DEVICES renumbers them per process). It is the same type as
+// transport.UUID.
+type UUID = uuid.UUID
 
 // Device is a CUdevice as this process sees it.
 type Device struct {
