@@ -380,9 +380,7 @@ func consumer(ce *ChildEnv) error {
 			}
 			continue
 		}
-		if err := l.Release(); err != nil {
-			return err
-		}
+		l.Release()
 		if max > 0 && rep.Leases >= max {
 			break
 		}
