@@ -1,21 +1,17 @@
 package driver
 
 import (
-	"encoding/hex"
 	"fmt"
+
+	"github.com/seed743c36cf/cudashare/internal/uuid"
 
 	"github.com/seed743c36cf/cudashare/driver/internal/api"
 )
 
 // UUID identifies a device across processes; ordinals do not
-// (CUDA_VISIBLE_DEVICES renumbers them per process).
-type UUID [16]byte
-
-// String formats the UUID the way nvidia-smi does: GPU-xxxxxxxx-xxxx-....
-func (u UUID) String() string {
-	h := hex.EncodeToString(u[:])
-	return "GPU-" + h[0:8] + "-" + h[8:12] + "-" + h[12:16] + "-" + h[16:20] + "-" + h[20:32]
-}
+// (CUDA_VISIBLE_DEVICES renumbers them per process). It is the same type as
+// transport.UUID.
+type UUID = uuid.UUID
 
 // Device is a CUdevice as this process sees it.
 type Device struct {
@@ -80,80 +76,6 @@ func (dev *Device) CanAccessPeer(peer *Device) (bool, error) {
 	var v int32
 	err := check(dev.d.a.DeviceCanAccessPeer(&v, dev.h, peer.h), "cuDeviceCanAccessPeer")
 	return v == 1, err
-}
-
-// P2PAttribute is a CUdevice_P2PAttribute.
-type P2PAttribute int32
-
-// All five P2P attributes of CUDA 13.
-const (
-	P2PPerformanceRank                = P2PAttribute(api.P2PAttrPerformanceRank)
-	P2PAccessSupported                = P2PAttribute(api.P2PAttrAccessSupported)
-	P2PNativeAtomicSupported          = P2PAttribute(api.P2PAttrNativeAtomicSupported)
-	P2PCudaArrayAccessSupported       = P2PAttribute(api.P2PAttrCudaArrayAccessSupported)
-	P2POnlyPartialNativeAtomicSupport = P2PAttribute(api.P2PAttrOnlyPartialNativeAtomicSupported)
-)
-
-// P2PAttribute is cuDeviceGetP2PAttribute for the link dev -> dst.
-func (dev *Device) P2PAttribute(a P2PAttribute, dst *Device) (int, error) {
-	var v int32
-	err := check(dev.d.a.DeviceGetP2PAttribute(&v, int32(a), dev.h, dst.h), "cuDeviceGetP2PAttribute")
-	return int(v), err
-}
-
-// AtomicOperation is a CUatomicOperation.
-type AtomicOperation int32
-
-// AtomicCapability is a CUatomicOperationCapability bit mask.
-type AtomicCapability uint32
-
-// CUatomicOperation values.
-const (
-	AtomicIntegerAdd       = AtomicOperation(api.AtomicIntegerAdd)
-	AtomicIntegerMin       = AtomicOperation(api.AtomicIntegerMin)
-	AtomicIntegerMax       = AtomicOperation(api.AtomicIntegerMax)
-	AtomicIntegerIncrement = AtomicOperation(api.AtomicIntegerIncrement)
-	AtomicIntegerDecrement = AtomicOperation(api.AtomicIntegerDecrement)
-	AtomicAnd              = AtomicOperation(api.AtomicAnd)
-	AtomicOr               = AtomicOperation(api.AtomicOr)
-	AtomicXor              = AtomicOperation(api.AtomicXor)
-	AtomicExchange         = AtomicOperation(api.AtomicExchange)
-	AtomicCAS              = AtomicOperation(api.AtomicCAS)
-	AtomicFloatAdd         = AtomicOperation(api.AtomicFloatAdd)
-	AtomicFloatMin         = AtomicOperation(api.AtomicFloatMin)
-	AtomicFloatMax         = AtomicOperation(api.AtomicFloatMax)
-)
-
-// CUatomicOperationCapability bits.
-const (
-	AtomicCapSigned     = AtomicCapability(api.AtomicCapSigned)
-	AtomicCapUnsigned   = AtomicCapability(api.AtomicCapUnsigned)
-	AtomicCapReduction  = AtomicCapability(api.AtomicCapReduction)
-	AtomicCapScalar32   = AtomicCapability(api.AtomicCapScalar32)
-	AtomicCapScalar64   = AtomicCapability(api.AtomicCapScalar64)
-	AtomicCapScalar128  = AtomicCapability(api.AtomicCapScalar128)
-	AtomicCapVector32x4 = AtomicCapability(api.AtomicCapVector32x4)
-)
-
-// P2PAtomicCapabilities is cuDeviceGetP2PAtomicCapabilities for the link
-// dev -> dst: one capability mask per operation, in order.
-func (dev *Device) P2PAtomicCapabilities(dst *Device, ops ...AtomicOperation) ([]AtomicCapability, error) {
-	if len(ops) == 0 {
-		return nil, &Error{Code: api.ErrorInvalidValue, Op: "cuDeviceGetP2PAtomicCapabilities"}
-	}
-	raw := make([]int32, len(ops))
-	for i, op := range ops {
-		raw[i] = int32(op)
-	}
-	caps := make([]uint32, len(ops))
-	if err := check(dev.d.a.DeviceGetP2PAtomicCapabilities(&caps[0], &raw[0], uint32(len(ops)), dev.h, dst.h), "cuDeviceGetP2PAtomicCapabilities"); err != nil {
-		return nil, err
-	}
-	out := make([]AtomicCapability, len(caps))
-	for i, c := range caps {
-		out[i] = AtomicCapability(c)
-	}
-	return out, nil
 }
 
 // RetainPrimaryContext is cuDevicePrimaryCtxRetain. Close the context to

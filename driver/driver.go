@@ -150,7 +150,7 @@ func (d *Driver) Device(ordinal int) (*Device, error) {
 	if err := check(d.a.DeviceGetUuid(&u, h), "cuDeviceGetUuid"); err != nil {
 		return nil, fmt.Errorf("device %d: %w", ordinal, err)
 	}
-	dev.uuid = UUID(u)
+	dev.uuid = u
 	d.devices[ordinal] = dev
 	return dev, nil
 }

@@ -210,7 +210,7 @@ func (w *worker) work(ctx context.Context) error {
 			if w.releaseAfter && l.Stream() != nil {
 				rerr = l.Stream().Synchronize()
 			}
-			rerr = errors.Join(rerr, l.Release())
+			l.Release()
 		}
 		if err == nil && rerr != nil {
 			err = fmt.Errorf("pool: release: %w", rerr)

@@ -174,7 +174,7 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 	if log == nil {
 		log = slog.Default()
 	}
-	dev := transport.UUID(dctx.Device().UUID())
+	dev := dctx.Device().UUID()
 	tcfg := transport.DefaultConfig(transport.RoleProducer)
 	tcfg.Devices = []transport.UUID{dev}
 	tcfg.Logger = log

@@ -148,21 +148,23 @@ func (l *Lease) Generation() uint64 { return l.gen }
 // Release gives the buffer back to the producer. If the producer has
 // retired the allocation and this was the last lease in it, the mapping is
 // closed first and the producer told. Release is idempotent and safe for
-// concurrent use; the pointer must not be used after it.
-func (l *Lease) Release() error {
+// concurrent use; the pointer must not be used after it. It cannot fail:
+// the release is only queued to the producer (a failed connection ends
+// the importer, and Next reports it), and a mapping that fails to close is
+// logged.
+func (l *Lease) Release() {
 	if l == nil || l.st == nil || !l.done.CompareAndSwap(false, true) {
-		return nil
+		return
 	}
 	im := l.st.im
 	im.mu.Lock()
 	defer im.mu.Unlock()
 	h := &l.st.out[l.idx]
 	if !h.live {
-		return nil // never handed out, or released on the user's behalf
+		return // never handed out, or released on the user's behalf
 	}
 	h.live = false
 	im.releaseLocked(l.a, l.seq, nil)
-	return nil
 }
 
 // Stream is the stream the lease is ready on: the one that waited on the
@@ -204,7 +206,8 @@ func (l *Lease) WaitOn(s *driver.Stream) error {
 // idempotent; the pointer must not be used by work queued after it.
 func (l *Lease) ReleaseAfter(s *driver.Stream) error {
 	if s == nil {
-		return l.Release()
+		l.Release()
+		return nil
 	}
 	if l == nil || l.st == nil || l.done.Load() {
 		return nil
@@ -212,9 +215,7 @@ func (l *Lease) ReleaseAfter(s *driver.Stream) error {
 	im := l.st.im
 	if !im.relEvOK {
 		err := s.Synchronize()
-		if rerr := l.Release(); err == nil {
-			err = rerr
-		}
+		l.Release()
 		return err
 	}
 	im.mu.Lock()

@@ -1,8 +1,9 @@
 package transport
 
 import (
-	"encoding/hex"
 	"fmt"
+
+	"github.com/seed743c36cf/cudashare/internal/uuid"
 )
 
 // Role is the part a side plays on a connection. A connection joins one
@@ -73,23 +74,9 @@ func (k HandleKind) String() string {
 }
 
 // UUID identifies a CUDA device (CUuuid). Devices are named by UUID on the
-// wire because CUDA_VISIBLE_DEVICES renumbers ordinals per process.
-type UUID [16]byte
-
-// String formats u as nvidia-smi does: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx.
-func (u UUID) String() string {
-	var b [36]byte
-	hex.Encode(b[0:8], u[0:4])
-	b[8] = '-'
-	hex.Encode(b[9:13], u[4:6])
-	b[13] = '-'
-	hex.Encode(b[14:18], u[6:8])
-	b[18] = '-'
-	hex.Encode(b[19:23], u[8:10])
-	b[23] = '-'
-	hex.Encode(b[24:], u[10:])
-	return "GPU-" + string(b[:])
-}
+// wire because CUDA_VISIBLE_DEVICES renumbers ordinals per process. It is the
+// same type as driver.UUID.
+type UUID = uuid.UUID
 
 // IPCHandle is an opaque CUDA IPC handle: a CUipcMemHandle or a
 // CUipcEventHandle, 64 bytes each.

@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/seed743c36cf/cudashare/driver"
+	"github.com/seed743c36cf/cudashare/internal/peerlink"
 )
 
 func runDevices(args []string, stdout, stderr io.Writer) int {
@@ -48,20 +49,18 @@ func runDevices(args []string, stdout, stderr io.Writer) int {
 				fmt.Fprintf(stdout, "  %d -> %d: %v\n", a.Ordinal(), b.Ordinal(), err)
 				continue
 			}
+			link := peerlink.Read(a, b)
 			var attrs []string
-			for _, at := range []driver.P2PAttribute{driver.P2PAccessSupported, driver.P2PPerformanceRank, driver.P2PNativeAtomicSupported, driver.P2PCudaArrayAccessSupported, driver.P2POnlyPartialNativeAtomicSupport} {
-				v, err := a.P2PAttribute(at, b)
-				if err != nil {
+			for i, v := range link.Attrs {
+				if link.AttrErrs[i] != nil {
 					attrs = append(attrs, "err")
 					continue
 				}
 				attrs = append(attrs, fmt.Sprint(v))
 			}
-			ops := []driver.AtomicOperation{driver.AtomicIntegerAdd, driver.AtomicCAS, driver.AtomicFloatAdd}
-			caps, err := a.P2PAtomicCapabilities(b, ops...)
-			capStr := fmt.Sprint(err)
-			if err == nil {
-				capStr = fmt.Sprintf("add=%#x cas=%#x fadd=%#x", caps[0], caps[1], caps[2])
+			capStr := fmt.Sprint(link.CapsErr)
+			if link.CapsErr == nil {
+				capStr = fmt.Sprintf("add=%#x cas=%#x fadd=%#x", link.Caps[0], link.Caps[1], link.Caps[2])
 			}
 			fmt.Fprintf(stdout, "  %d -> %d: can-access=%v  [%s]  %s\n", a.Ordinal(), b.Ordinal(), can, strings.Join(attrs, " "), capStr)
 		}

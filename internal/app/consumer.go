@@ -258,7 +258,7 @@ func (c *consumer) dial(ctx context.Context, dctx *driver.Context, stream *drive
 
 func producerDevice(imp *share.Importer) string {
 	if devs := imp.Producer().Devices; len(devs) > 0 {
-		return driver.UUID(devs[0]).String()
+		return devs[0].String()
 	}
 	return ""
 }
@@ -269,17 +269,17 @@ func producerDevice(imp *share.Importer) string {
 // devices a process cannot see), and the first batch tells.
 func (c *consumer) checkPeerAccess(imp *share.Importer) error {
 	devs := imp.Producer().Devices
-	if len(devs) == 0 || driver.UUID(devs[0]) == c.dev.dev.UUID() {
+	if len(devs) == 0 || devs[0] == c.dev.dev.UUID() {
 		return nil
 	}
-	pdev, err := c.dev.d.DeviceByUUID(driver.UUID(devs[0]))
+	pdev, err := c.dev.d.DeviceByUUID(devs[0])
 	if err != nil {
-		c.log.Debug("the producer's GPU is not visible here; its buffers should still open", "producer_device", driver.UUID(devs[0]))
+		c.log.Debug("the producer's GPU is not visible here; its buffers should still open", "producer_device", devs[0])
 		return nil
 	}
 	ok, err := c.dev.dev.CanAccessPeer(pdev)
 	if err == nil && !ok {
-		return c.noPeerAccess(nil, driver.UUID(devs[0]).String())
+		return c.noPeerAccess(nil, devs[0].String())
 	}
 	return nil
 }

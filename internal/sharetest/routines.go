@@ -380,9 +380,7 @@ func consumer(ce *ChildEnv) error {
 			}
 			continue
 		}
-		if err := l.Release(); err != nil {
-			return err
-		}
+		l.Release()
 		if max > 0 && rep.Leases >= max {
 			break
 		}
@@ -421,7 +419,7 @@ type RawReport struct {
 func rawProducer(ce *ChildEnv) error {
 	ctx, cancel := context.WithTimeout(context.Background(), ExpectTimeout)
 	defer cancel()
-	dev := transport.UUID(ce.Ctx.Device().UUID())
+	dev := ce.Ctx.Device().UUID()
 	cfg := transport.DefaultConfig(transport.RoleProducer)
 	cfg.Devices = []transport.UUID{dev}
 	ln, err := transport.Listen(ctx, os.Getenv(ParamPath), cfg)
@@ -519,7 +517,7 @@ func rawConsumer(ce *ChildEnv) error {
 	ctx, cancel := context.WithTimeout(context.Background(), ExpectTimeout)
 	defer cancel()
 	cfg := transport.DefaultConfig(transport.RoleConsumer)
-	cfg.Devices = []transport.UUID{transport.UUID(ce.Ctx.Device().UUID())}
+	cfg.Devices = []transport.UUID{ce.Ctx.Device().UUID()}
 	cfg.AcceptFDs = true
 	before := socketFDs()
 	conn, err := transport.Dial(ctx, os.Getenv(ParamPath), cfg)
@@ -626,7 +624,7 @@ func rawConsumer(ce *ChildEnv) error {
 // offers it got), then waits for "exit".
 func grabber(ce *ChildEnv) error {
 	cfg := transport.DefaultConfig(transport.RoleConsumer)
-	cfg.Devices = []transport.UUID{transport.UUID(ce.Ctx.Device().UUID())}
+	cfg.Devices = []transport.UUID{ce.Ctx.Device().UUID()}
 	cfg.Credits = 1
 	cfg.AcceptFDs = true
 	got := 0
@@ -788,7 +786,7 @@ type FreeOnGoodbyeReport struct {
 func freeOnGoodbye(ce *ChildEnv) error {
 	ctx, cancel := context.WithTimeout(context.Background(), ExpectTimeout)
 	defer cancel()
-	dev := transport.UUID(ce.Ctx.Device().UUID())
+	dev := ce.Ctx.Device().UUID()
 	cfg := transport.DefaultConfig(transport.RoleProducer)
 	cfg.Devices = []transport.UUID{dev}
 	ln, err := transport.Listen(ctx, os.Getenv(ParamPath), cfg)

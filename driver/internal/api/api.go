@@ -19,7 +19,11 @@
 // the call only; no backend keeps them.
 package api
 
-import "unsafe"
+import (
+	"unsafe"
+
+	"github.com/seed743c36cf/cudashare/internal/uuid"
+)
 
 // Result is a CUresult.
 type Result int32
@@ -137,7 +141,7 @@ type IpcMemHandle struct{ Reserved [IpcHandleSize]byte }
 type IpcEventHandle struct{ Reserved [IpcHandleSize]byte }
 
 // UUID is CUuuid.
-type UUID [16]byte
+type UUID = uuid.UUID
 
 // CUdevice_attribute values we rely on.
 const (
