@@ -141,7 +141,7 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 	}
 	dev := dctx.Device().UUID()
 	tcfg := transport.DefaultConfig(transport.RoleConsumer)
-	tcfg.Devices = []transport.UUID{transport.UUID(dev)}
+	tcfg.Devices = []transport.UUID{dev}
 	tcfg.Credits = cfg.Credits
 	tcfg.AcceptFDs = true // posix_fd allocations (PROTOCOL.md, section 4.1)
 	tcfg.Logger = log
@@ -358,7 +358,7 @@ func (im *Importer) leaseLocked(o *transport.Offer) (*Lease, error) {
 	case a == nil:
 		key := regKey{
 			pid: im.peer.PID, inst: im.peer.InstanceID,
-			src: driver.UUID(o.Device), dst: im.dev, handle: o.Handle,
+			src: o.Device, dst: im.dev, handle: o.Handle,
 		}
 		var ent *regEntry
 		var err error
