@@ -3,6 +3,9 @@
 package share
 
 import (
+	"context"
+	"errors"
+
 	"github.com/seed743c36cf/cudashare/driver"
 	"github.com/seed743c36cf/cudashare/transport"
 )
@@ -31,3 +34,19 @@ func (p *RegistryProbe) Acquire(dctx *driver.Context, allocID, allocSize uint64)
 
 // Release drops one hold.
 func (p *RegistryProbe) Release() error { return p.r.release(p.e) }
+
+// LendToClosedConsumer closes, on this side, the connection of the
+// consumer that Offer would pick next and lends b to it as Offer does: the
+// race of a consumer's connection closing under a send, made certain (the
+// lock held from the pick to the send keeps the consumer's receive loop
+// from dropping it first).
+func LendToClosedConsumer(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions) (lent bool, err error) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	c := e.pickLocked()
+	if c == nil {
+		return false, errors.New("no consumer to lend to")
+	}
+	c.conn.Close()
+	return e.lendLocked(ctx, c, b, &opts, true)
+}

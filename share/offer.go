@@ -84,21 +84,23 @@ func (e *Exporter) lendLocked(ctx context.Context, c *consumer, b *Buffer, opts 
 	seq, gen, m := e.reserveLocked(c, b)
 	ev := b.ev
 	e.mu.Unlock()
-	err := e.send(ctx, c, b, m, seq, gen, ev, opts, record)
+	onConn, err := e.send(ctx, c, b, m, seq, gen, ev, opts, record)
 	e.mu.Lock()
 	e.finishLocked(c, b, seq, err)
 	switch {
 	case err == nil:
 		return true, nil
-	case ctx.Err() != nil || errors.Is(err, ErrClosed) || !connectionFailed(err):
+	case ctx.Err() != nil || !onConn || !connectionFailed(err):
 		return false, err
 	}
 	e.deactivateLocked(c)
 	return false, nil
 }
 
-// connectionFailed reports whether err, from a send to a consumer, means
-// that the consumer's connection failed (rather than the exporter).
+// connectionFailed reports whether err, from a consumer's connection,
+// means that the connection failed or was closed (the consumer went away,
+// stopped reading or was dropped), rather than that this offer could not
+// be sent on it.
 func connectionFailed(err error) bool {
 	return errors.Is(err, transport.ErrClosed) || errors.Is(err, transport.ErrDisconnected) ||
 		errors.Is(err, transport.ErrWriteTimeout) || errors.Is(err, transport.ErrRemote)
@@ -343,18 +345,21 @@ func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64, _ *ma
 	return uint64(s.gen)<<32 | uint64(idx), b.offers, m
 }
 
-// send records the event if asked, and queues the offer.
-func (e *Exporter) send(ctx context.Context, c *consumer, b *Buffer, m *mapping, seq, gen uint64, ev *expEvent, opts *OfferOptions, record bool) error {
+// send records the event if asked, and queues the offer. onConn reports
+// that err is the consumer's connection's, not one of preparing the offer
+// (a driver call): "closed" is one value in every layer, so the error
+// alone cannot tell a consumer's closed connection from a closed driver
+// context.
+func (e *Exporter) send(ctx context.Context, c *consumer, b *Buffer, m *mapping, seq, gen uint64, ev *expEvent, opts *OfferOptions, record bool) (onConn bool, err error) {
 	if opts.Stream != nil {
 		if ev == nil {
-			var err error
 			if ev, err = e.bufferEvent(b); err != nil {
-				return err
+				return false, err
 			}
 		}
 		if record {
 			if err := ev.ev.Record(opts.Stream); err != nil {
-				return fmt.Errorf("share: record the buffer's event: %w", err)
+				return false, fmt.Errorf("share: record the buffer's event: %w", err)
 			}
 		}
 	}
@@ -367,14 +372,14 @@ func (e *Exporter) send(ctx context.Context, c *consumer, b *Buffer, m *mapping,
 		if c.noEvents {
 			// It may not open our event: wait for it here instead.
 			if err := ev.ev.Synchronize(); err != nil {
-				return fmt.Errorf("share: wait for the buffer's event: %w", err)
+				return false, fmt.Errorf("share: wait for the buffer's event: %w", err)
 			}
 		} else {
 			o.Event, o.HasEvent = ev.h, true
 		}
 	}
 	if rec.kind != transport.HandleFD {
-		return c.conn.SendOffer(ctx, &o)
+		return true, c.conn.SendOffer(ctx, &o)
 	}
 	return e.sendFD(ctx, c, rec, &o, m)
 }

@@ -526,3 +526,46 @@ func TestOfferRefusesReturnedRingBuffer(t *testing.T) {
 	c.Wait()
 	checkConsumer(t, &rep, 1)
 }
+
+// TestOfferPassesOverAClosedConnection: a consumer's connection that closes
+// under an offer (as a consumer's goodbye closes it) fails the send with
+// an error matching ErrClosed. That is the consumer's end, not the
+// exporter's: the consumer is dropped, the lend reports neither an offer
+// nor an error, and Offer gives the buffer to another consumer. Were the
+// send's error classified by its value alone, the exporter's caller would
+// see "closed" from an exporter that is open.
+func TestOfferPassesOverAClosedConnection(t *testing.T) {
+	env := sharetest.Setup(t)
+	e := newExporter(t, env)
+	ctx := sharetest.Ctx(t)
+	startConsumer(t, e)
+	startConsumer(t, e)
+	if err := e.WaitConsumers(ctx, 2); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(1, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := r.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := env.Ctx.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	opts := share.OfferOptions{Meta: sharetest.Meta(0)}
+	if lent, err := share.LendToClosedConsumer(ctx, e, b, opts); lent || err != nil {
+		t.Fatalf("lend to a consumer whose connection closed under the send = %v, %v; want false, nil", lent, err)
+	}
+	if err := e.Offer(ctx, b, opts); err != nil {
+		t.Fatalf("Offer after a consumer's connection closed: %v", err)
+	}
+	if s := e.Stats(); s.Offers != 1 || s.Consumers != 1 {
+		t.Errorf("exporter stats %+v, want 1 offer and 1 consumer left", s)
+	}
+	shutdown(t, e)
+}

@@ -309,25 +309,25 @@ func (e *Exporter) retireQuarantinedLocked(old *allocRec) {
 // 4.1). c.sendMu keeps the fd-carrying offer ahead of the others.
 //
 // The offer's reservation (rec.sending) keeps rec from being freed
-// meanwhile.
-func (e *Exporter) sendFD(ctx context.Context, c *consumer, rec *allocRec, o *transport.Offer, m *mapping) error {
+// meanwhile. onConn is as for send.
+func (e *Exporter) sendFD(ctx context.Context, c *consumer, rec *allocRec, o *transport.Offer, m *mapping) (onConn bool, err error) {
 	c.sendMu.Lock()
 	defer c.sendMu.Unlock()
 	if m.fdSent {
-		return c.conn.SendOffer(ctx, o)
+		return true, c.conn.SendOffer(ctx, o)
 	}
 	f, err := rec.exportFD()
 	if err != nil {
-		return err
+		return false, err
 	}
 	defer f.Close()
 	fd := [1]int{int(f.Fd())}
 	o.FDs = fd[:]
 	if err := c.conn.SendOffer(ctx, o); err != nil {
-		return err // not queued: the next offer carries it
+		return true, err // not queued: the next offer carries it
 	}
 	m.fdSent = true
-	return nil
+	return true, nil
 }
 
 // refuse says why the exporter cannot serve a consumer that
