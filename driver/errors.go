@@ -6,6 +6,7 @@ import (
 
 	"github.com/seed743c36cf/cudashare/driver/internal/api"
 	"github.com/seed743c36cf/cudashare/driver/internal/cuda"
+	"github.com/seed743c36cf/cudashare/internal/closed"
 )
 
 // Result is a CUresult code.
@@ -68,9 +69,10 @@ var (
 	// ErrUnknownBackend: the backend name is not auto, cuda or sim.
 	ErrUnknownBackend = errors.New("driver: unknown backend")
 	// ErrClosed: a Context (any call made in it) or a VMM Allocation was
-	// used after its Close. share.ErrClosed, not this, is
-	// what share's API returns after an Exporter or Importer is closed.
-	ErrClosed = errors.New("driver: use of closed object")
+	// used after its Close. It is one value with transport.ErrClosed and
+	// share.ErrClosed, named in each package for its callers' convenience:
+	// a caller may match "closed" from any layer with any of the three.
+	ErrClosed = closed.Err
 	// ErrStrictUnsupported: the backend does not record lifetime violations
 	// (the real driver does not; only the simulator is strict).
 	ErrStrictUnsupported = errors.New("driver: backend does not record lifetime violations")

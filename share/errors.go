@@ -2,7 +2,11 @@
 
 package share
 
-import "errors"
+import (
+	"errors"
+
+	"github.com/seed743c36cf/cudashare/internal/closed"
+)
 
 // Errors. Every error this package returns for one of these conditions
 // matches the sentinel with errors.Is; driver and transport errors stay
@@ -10,17 +14,15 @@ import "errors"
 // works too.
 var (
 	// ErrClosed: the Exporter, Importer or Ring was closed or shut down
-	// on this side. It is the one "closed" error of this package's API:
-	// Next after an Importer's Shutdown or Close, a Lease's CopyToHost or
-	// WaitOn after its Importer's Close, Offer, Register, NewRing, Acquire
-	// or WaitConsumers after an Exporter's Shutdown or Close. A consumer's
-	// connection that closes under an Exporter is not an error of the
-	// exporter (the consumer is dropped), and the transport.ErrClosed of
-	// the Importer's own connection never reaches its caller, so a share
-	// user matches only this sentinel. (transport.ErrClosed and
-	// driver.ErrClosed are the same idea one layer down, for callers of
-	// those packages.)
-	ErrClosed = errors.New("share: closed")
+	// on this side: Next after an Importer's Shutdown or Close, a Lease's
+	// CopyToHost or WaitOn after its Importer's Close, Offer, Register,
+	// NewRing, Acquire or WaitConsumers after an Exporter's Shutdown or
+	// Close. A consumer's connection that closes under an Exporter is not
+	// an error of the exporter (the consumer is dropped). It is one value
+	// with driver.ErrClosed and transport.ErrClosed, named in each package
+	// for its callers' convenience: a caller may match "closed" from any
+	// layer with any of the three.
+	ErrClosed = closed.Err
 	// ErrProducerGone: the producer said goodbye or vanished. After a
 	// goodbye the error also matches io.EOF: the stream ended cleanly.
 	ErrProducerGone = errors.New("share: producer gone")

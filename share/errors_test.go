@@ -4,6 +4,7 @@ package share_test
 
 import (
 	"errors"
+	"fmt"
 	"testing"
 
 	"github.com/seed743c36cf/cudashare/driver"
@@ -56,10 +57,25 @@ func TestMisuseSentinels(t *testing.T) {
 	}
 }
 
+// TestErrClosedIsOneValue: share.ErrClosed, transport.ErrClosed and
+// driver.ErrClosed are one value, so a "closed" from any layer, wrapped,
+// matches whichever of the three names a caller holds.
+func TestErrClosedIsOneValue(t *testing.T) {
+	names := map[string]error{"share": share.ErrClosed, "transport": transport.ErrClosed, "driver": driver.ErrClosed}
+	for from, err := range names {
+		wrapped := fmt.Errorf("%s: something: %w", from, err)
+		for name, target := range names {
+			if !errors.Is(wrapped, target) {
+				t.Errorf("%s.ErrClosed, wrapped (%v), does not match %s.ErrClosed", from, wrapped, name)
+			}
+		}
+	}
+}
+
 // TestImporterClosedErrors: after the importer's Close, its calls and its
-// leases' calls fail with share.ErrClosed, the one closed error of this
-// package's API, whatever the layer below reported (a closed connection,
-// a closed mapping).
+// leases' calls fail with ErrClosed (one value in every layer), whatever
+// the layer below reported (a closed connection, a closed mapping), and
+// not with ErrProducerGone: the producer did not go.
 func TestImporterClosedErrors(t *testing.T) {
 	env := sharetest.Setup(t)
 	path := sharetest.SocketPath(t)
@@ -81,8 +97,8 @@ func TestImporterClosedErrors(t *testing.T) {
 	if !errors.Is(err, share.ErrClosed) {
 		t.Errorf("Next after Close: %v, want share.ErrClosed", err)
 	}
-	if errors.Is(err, share.ErrProducerGone) || errors.Is(err, transport.ErrClosed) || errors.Is(err, driver.ErrClosed) {
-		t.Errorf("Next after Close: %v matches another layer's or cause's sentinel", err)
+	if errors.Is(err, share.ErrProducerGone) {
+		t.Errorf("Next after Close: %v matches share.ErrProducerGone", err)
 	}
 	buf := make([]byte, 64)
 	if _, err := l.CopyToHost(buf); !errors.Is(err, share.ErrClosed) {

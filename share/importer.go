@@ -613,7 +613,7 @@ func (im *Importer) Shutdown(ctx context.Context) error {
 		return nil
 	}
 	im.state = stateShutting
-	im.endLocked(fmt.Errorf("%w: importer shut down", ErrClosed))
+	im.endLocked(fmt.Errorf("share: importer shut down: %w", ErrClosed))
 	im.drainLocked()
 	for im.held > 0 {
 		if im.heldZero == nil {
@@ -651,7 +651,7 @@ func (im *Importer) close(ctx context.Context, reason string) error {
 		return nil
 	}
 	im.state = stateClosed
-	im.endLocked(fmt.Errorf("%w: importer closed", ErrClosed))
+	im.endLocked(fmt.Errorf("share: importer closed: %w", ErrClosed))
 	im.drainLocked()
 	for _, a := range im.allocs {
 		im.closeAllocLocked(a)

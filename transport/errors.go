@@ -4,17 +4,20 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/seed743c36cf/cudashare/internal/closed"
 )
 
 // Errors. Every error this package returns for a protocol or connection
 // failure matches one of these with errors.Is, and names the peer.
 var (
 	// ErrClosed: the Conn or Listener was closed on this side, and every
-	// later call on it returns this. It is for direct users of transport;
-	// share does not pass it on: its Exporter and Importer report their
-	// own closing with share.ErrClosed. A peer that went away is
-	// ErrDisconnected (or io.EOF after its goodbye), not ErrClosed.
-	ErrClosed = errors.New("transport: closed")
+	// later call on it returns an error matching this. It is one value
+	// with driver.ErrClosed and share.ErrClosed, named in each package for
+	// its callers' convenience: a caller may match "closed" from any layer
+	// with any of the three. A peer that went away is ErrDisconnected (or
+	// io.EOF after its goodbye), not ErrClosed.
+	ErrClosed = closed.Err
 	// ErrFrameTooLarge: a frame's length prefix exceeds the frame cap.
 	ErrFrameTooLarge = errors.New("transport: frame too large")
 	// ErrMalformed: a frame is not valid msgpack or does not fit the schema.

@@ -141,11 +141,13 @@ func dialRetryable(err error) bool {
 
 // consumerGone reports whether an offer failed only because the consumer
 // it was meant for went away meanwhile: the producer offers the buffer to
-// another one.
+// another one. ErrClosed is not among these: it is one value in every
+// layer, and share itself drops a consumer whose connection closed under
+// an offer, so from Offer or Broadcast it means that the exporter (or its
+// driver context) was closed, and offering again would spin.
 func consumerGone(err error) bool {
-	return errors.Is(err, transport.ErrDisconnected) || errors.Is(err, transport.ErrClosed) ||
-		errors.Is(err, transport.ErrWriteTimeout) || errors.Is(err, transport.ErrRemote) ||
-		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
+	return errors.Is(err, transport.ErrDisconnected) || errors.Is(err, transport.ErrWriteTimeout) ||
+		errors.Is(err, transport.ErrRemote) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
 }
 
 // droppedForTimeout reports whether the producer ended the connection
