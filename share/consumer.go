@@ -46,19 +46,19 @@ type consumer struct {
 	window, out uint64 // credits granted; offers not released
 	slots       []leaseSlot
 	freeSlots   []uint32
-	voided      []uint64                           // seqs of offers in flight that the drop voided
-	allocs      map[*allocRec]*mapping             // allocations it may map
-	events      map[transport.IPCHandle]*consEvent // its release events, opened once
-	active      bool                               // in the rotation
-	saidBye     bool                               // it said goodbye: everything it held is void
-	sentBye     bool                               // we said goodbye after retiring everything
-	ended       bool                               // its connection has ended
-	handedOn    bool                               // it passed to other processes, which are watched
-	unwatchable bool                               // it passed to processes that cannot be watched
-	kicked      bool                               // the exporter dropped it for cause
-	lagging     bool                               // it missed a broadcast, and has not had room since
-	dropped     bool                               // forgotten: nothing it held counts
-	abandoned   int                                // VMM buffers given up to it when it was lost
+	voided      []uint64                        // seqs of offers in flight that the drop voided
+	allocs      map[*allocRec]*mapping          // allocations it may map
+	events      map[transport.Handle]*consEvent // its release events, opened once
+	active      bool                            // in the rotation
+	saidBye     bool                            // it said goodbye: everything it held is void
+	sentBye     bool                            // we said goodbye after retiring everything
+	ended       bool                            // its connection has ended
+	handedOn    bool                            // it passed to other processes, which are watched
+	unwatchable bool                            // it passed to processes that cannot be watched
+	kicked      bool                            // the exporter dropped it for cause
+	lagging     bool                            // it missed a broadcast, and has not had room since
+	dropped     bool                            // forgotten: nothing it held counts
+	abandoned   int                             // VMM buffers given up to it when it was lost
 
 	done chan struct{} // closed when its connection has ended
 
@@ -190,7 +190,7 @@ func (e *Exporter) acceptLoop() {
 			e: e, conn: conn, peer: peer,
 			window: conn.Credits(),
 			allocs: make(map[*allocRec]*mapping),
-			events: make(map[transport.IPCHandle]*consEvent),
+			events: make(map[transport.Handle]*consEvent),
 			done:   make(chan struct{}),
 			// Fixed for the connection: read without the lock.
 			noEvents: peer.PID == 0,
@@ -309,7 +309,7 @@ func (e *Exporter) onRelease(c *consumer, seqs []uint64, after *consEvent) error
 
 // consumerEvent returns c's release event with handle h, opening it on
 // first use.
-func (e *Exporter) consumerEvent(c *consumer, h transport.IPCHandle) (*consEvent, error) {
+func (e *Exporter) consumerEvent(c *consumer, h transport.Handle) (*consEvent, error) {
 	e.mu.Lock()
 	ce := c.events[h]
 	n := len(c.events)

@@ -19,7 +19,7 @@ type RegistryProbe struct {
 }
 
 func NewRegistryProbe(r *Registry, pid int32, src, dst driver.UUID, h driver.IpcMemHandle) *RegistryProbe {
-	return &RegistryProbe{r: r, k: regKey{pid: pid, src: src, dst: dst, handle: transport.IPCHandle(h)}}
+	return &RegistryProbe{r: r, k: regKey{pid: pid, src: src, dst: dst, handle: transport.Handle(h)}}
 }
 
 // Acquire takes one hold on the mapping, opening it on first use.

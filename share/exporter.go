@@ -137,8 +137,8 @@ type allocRec struct {
 	base   driver.DevicePtr
 	size   uint64
 	bufID  uint64
-	handle transport.IPCHandle // cached: one IpcGetMemHandle per allocation
-	owned  bool                // allocated by the exporter, freed on retire
+	handle transport.Handle // cached: one IpcGetMemHandle per allocation
+	owned  bool             // allocated by the exporter, freed on retire
 	kind   transport.HandleKind
 	vmm    *vmmMem // the producer's handle and mapping, for HandleFD
 	ring   *Ring
@@ -159,7 +159,7 @@ type allocRec struct {
 // expEvent is an interprocess event and its cached handle.
 type expEvent struct {
 	ev *driver.Event
-	h  transport.IPCHandle
+	h  transport.Handle
 }
 
 // NewExporter listens on the Unix socket at path (see transport.Listen for
@@ -233,7 +233,7 @@ func (e *Exporter) Addr() string { return e.ln.Addr() }
 func (e *Exporter) newRecLocked(base driver.DevicePtr, size, bufID uint64, h driver.IpcMemHandle, owned bool) *allocRec {
 	e.lastAllocID++
 	rec := &allocRec{
-		id: e.lastAllocID, base: base, size: size, bufID: bufID, handle: transport.IPCHandle(h), owned: owned,
+		id: e.lastAllocID, base: base, size: size, bufID: bufID, handle: transport.Handle(h), owned: owned,
 		mappers: make(map[*consumer]struct{}),
 		evBufs:  make(map[*Buffer]struct{}),
 	}

@@ -96,7 +96,7 @@ type Importer struct {
 	allocs    map[uint64]*impAlloc
 	block     weak.Pointer[leaseBlock] // where new leases come from
 	failed    map[uint64]error         // posix_fd allocations whose import failed
-	events    map[transport.IPCHandle]*driver.Event
+	events    map[transport.Handle]*driver.Event
 	relEvs    map[*driver.Stream]*relEvent // stream-ordered releases: one event per stream
 	relEvOK   bool                         // the producer honours release events
 	pending   int                          // releases queued and not yet pushed
@@ -112,7 +112,7 @@ type Importer struct {
 // impAlloc is an allocation this importer holds open in the registry.
 type impAlloc struct {
 	id      uint64
-	handle  transport.IPCHandle
+	handle  transport.Handle
 	ent     *regEntry
 	leases  int  // queued and handed out
 	retired bool // the producer retired it: close once no lease is in it
@@ -162,7 +162,7 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 		recvDone: make(chan struct{}),
 		allocs:   make(map[uint64]*impAlloc),
 		failed:   make(map[uint64]error),
-		events:   make(map[transport.IPCHandle]*driver.Event),
+		events:   make(map[transport.Handle]*driver.Event),
 		relEvs:   make(map[*driver.Stream]*relEvent),
 		// A producer whose SO_PEERCRED pid reads 0 runs in a PID
 		// namespace above this one or beside it (another container),
@@ -476,7 +476,7 @@ func (im *Importer) sendReleaseLocked(seq uint64, after *relEvent) {
 	if im.gone {
 		return
 	}
-	var ev *transport.IPCHandle
+	var ev *transport.Handle
 	if after != nil {
 		ev = &after.h
 	}
@@ -700,7 +700,7 @@ func (im *Importer) close(ctx context.Context, reason string) error {
 // the producer, waiting on its latest record, waits for every earlier use.
 type relEvent struct {
 	ev *driver.Event
-	h  transport.IPCHandle
+	h  transport.Handle
 }
 
 // releaseEvent returns s's release event, creating it on first use. mu
@@ -721,7 +721,7 @@ func (im *Importer) releaseEventLocked(s *driver.Stream) (*relEvent, error) {
 		ev.Close()
 		return nil, fmt.Errorf("share: release event handle: %w", err)
 	}
-	r := &relEvent{ev: ev, h: transport.IPCHandle(h)}
+	r := &relEvent{ev: ev, h: transport.Handle(h)}
 	im.relEvs[s] = r
 	return r, nil
 }

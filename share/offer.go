@@ -456,7 +456,7 @@ func (e *Exporter) bufferEvent(b *Buffer) (*expEvent, error) {
 			dev.Close()
 			return nil, fmt.Errorf("share: interprocess event handle: %w", err)
 		}
-		ev = &expEvent{ev: dev, h: transport.IPCHandle(h)}
+		ev = &expEvent{ev: dev, h: transport.Handle(h)}
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()

@@ -43,7 +43,7 @@ type regKey struct {
 	pid      int32
 	inst     [16]byte
 	src, dst driver.UUID
-	handle   transport.IPCHandle
+	handle   transport.Handle
 }
 
 // ptrKey names a mapped address in the context of one device.

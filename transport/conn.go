@@ -629,7 +629,7 @@ func (c *Conn) SendRelease(ctx context.Context, seqs ...uint64) error {
 // the event on the GPU. Only to a producer that advertised
 // CapReleaseEvents (else ErrNotSupported); the event must have been
 // recorded before the call.
-func (c *Conn) SendReleaseAfter(ctx context.Context, ev IPCHandle, seqs ...uint64) error {
+func (c *Conn) SendReleaseAfter(ctx context.Context, ev Handle, seqs ...uint64) error {
 	if c.peer.Caps&CapReleaseEvents == 0 {
 		return fmt.Errorf("%w: %s does not take release events", ErrNotSupported, c.desc)
 	}
@@ -642,7 +642,7 @@ func (c *Conn) SendReleaseAfter(ctx context.Context, ev IPCHandle, seqs ...uint6
 // while more offers are arriving sends many in one write this way; it must
 // Push before it waits for anything from the producer, and soon in any
 // case (the producer's lease deadline counts until the release arrives).
-func (c *Conn) QueueRelease(ctx context.Context, ev *IPCHandle, seqs ...uint64) error {
+func (c *Conn) QueueRelease(ctx context.Context, ev *Handle, seqs ...uint64) error {
 	if ev != nil && c.peer.Caps&CapReleaseEvents == 0 {
 		return fmt.Errorf("%w: %s does not take release events", ErrNotSupported, c.desc)
 	}
@@ -659,11 +659,11 @@ func (c *Conn) Push() {
 	c.unlockAndKick(len(c.out))
 }
 
-func (c *Conn) sendRelease(ctx context.Context, ev *IPCHandle, seqs []uint64) error {
+func (c *Conn) sendRelease(ctx context.Context, ev *Handle, seqs []uint64) error {
 	return c.queueRelease(ctx, ev, seqs, false)
 }
 
-func (c *Conn) queueRelease(ctx context.Context, ev *IPCHandle, seqs []uint64, lazy bool) error {
+func (c *Conn) queueRelease(ctx context.Context, ev *Handle, seqs []uint64, lazy bool) error {
 	if err := c.may(KindRelease); err != nil {
 		return err
 	}

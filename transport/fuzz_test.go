@@ -24,7 +24,7 @@ func seedStreams() map[string][]byte {
 	seeds := map[string][]byte{
 		"offer":         appendOffer(nil, &o),
 		"release":       appendRelease(nil, []uint64{1, 2, 1 << 40}, nil),
-		"release-event": appendRelease(nil, []uint64{7}, &IPCHandle{1, 2, 3}),
+		"release-event": appendRelease(nil, []uint64{7}, &Handle{1, 2, 3}),
 		"retire":        appendUintMsg(nil, KindRetire, 5),
 		"closed":        appendUintMsg(nil, KindClosed, 5),
 		"credit":        appendUintMsg(nil, KindCredit, 8),
@@ -103,7 +103,7 @@ func FuzzDecode(f *testing.F) {
 				o.FDs = make([]int, d.nfds)
 				again = appendOffer(nil, &o)
 			case KindRelease:
-				var ev *IPCHandle
+				var ev *Handle
 				if m.HasReleaseEvent {
 					ev = &m.ReleaseEvent
 				}

@@ -78,9 +78,23 @@ func (k HandleKind) String() string {
 // same type as driver.UUID.
 type UUID = uuid.UUID
 
-// IPCHandle is an opaque CUDA IPC handle: a CUipcMemHandle or a
-// CUipcEventHandle, 64 bytes each.
-type IPCHandle [64]byte
+// Handle is the 64 bytes that name an offer's allocation (Offer.Handle)
+// or an interprocess event (Offer.Event, Message.ReleaseEvent). What they
+// are depends on the field and, for Offer.Handle, on the offer's
+// HandleKind (PROTOCOL.md, section 4.1):
+//   - HandleIPC: the allocation's CUipcMemHandle.
+//   - HandleFD: an opaque identity of the allocation, the same in every
+//     offer of it (the Go producer: its AllocID, little-endian, then
+//     zeros); the memory travels as the offer's file descriptor.
+//   - HandleFabric: a CUmemFabricHandle (reserved).
+//
+// Offer.Event and Message.ReleaseEvent are a CUipcEventHandle.
+//
+// It is not driver.IpcMemHandle: transport is wire code and does not
+// depend on driver, and the bytes are a memory handle for one kind only.
+// The side that knows which they are converts (driver.IpcMemHandle(h),
+// driver.IpcEventHandle(h), Handle(h)).
+type Handle [64]byte
 
 // Offer lends a range of a producer's device allocation to a consumer.
 type Offer struct {
@@ -94,7 +108,7 @@ type Offer struct {
 	Generation uint64
 	// Handle names the allocation: for HandleIPC its CUipcMemHandle; see
 	// HandleKind for the others.
-	Handle IPCHandle
+	Handle Handle
 	// HandleKind says how the allocation is shared.
 	HandleKind HandleKind
 	// AllocSize is the size of the whole allocation; Offset and Size
@@ -103,7 +117,7 @@ type Offer struct {
 	// Device is the UUID of the device that holds the allocation.
 	Device UUID
 	// Event is a CUipcEventHandle to wait on before reading, if HasEvent.
-	Event    IPCHandle
+	Event    Handle
 	HasEvent bool
 	// Meta is small user metadata (shape, dtype, ...): one msgpack value of
 	// at most MaxMetaSize bytes, or empty for none. It must be JSON-like:
@@ -139,7 +153,7 @@ type Message struct {
 	// ReleaseEvent, if HasReleaseEvent, is the interprocess event
 	// (CUipcEventHandle) recorded after the consumer's last use of the
 	// released buffers, for KindRelease.
-	ReleaseEvent    IPCHandle
+	ReleaseEvent    Handle
 	HasReleaseEvent bool
 	// AllocID is the allocation retired (KindRetire) or closed (KindClosed).
 	AllocID uint64

@@ -24,7 +24,7 @@ func TestReleaseEvent(t *testing.T) {
 	if err := cons.Recv(ctx, &m); err != nil {
 		t.Fatal(err)
 	}
-	ev := IPCHandle{9, 8, 7}
+	ev := Handle{9, 8, 7}
 	if err := cons.SendReleaseAfter(ctx, ev, m.Offer.Seq); err != nil {
 		t.Fatal(err)
 	}

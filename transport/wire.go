@@ -226,7 +226,7 @@ func appendOffer(b []byte, o *Offer) []byte {
 	return endFrame(b, start)
 }
 
-func appendRelease(b []byte, seqs []uint64, ev *IPCHandle) []byte {
+func appendRelease(b []byte, seqs []uint64, ev *Handle) []byte {
 	b, start := beginFrame(b)
 	if ev == nil {
 		b = appendArrayLen(b, releaseFields)
@@ -788,7 +788,7 @@ func (d *decoder) decodeOffer(r *reader, n int, o *Offer) (err error) {
 			return err
 		}
 	} else {
-		o.Event = IPCHandle{}
+		o.Event = Handle{}
 	}
 	o.Meta = nil
 	if !r.isNil() {

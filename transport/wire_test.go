@@ -75,7 +75,7 @@ func TestOfferRoundTrip(t *testing.T) {
 	if !reflect.DeepEqual(m.Offer, o) {
 		t.Fatalf("round trip changed the offer:\n got %+v\nwant %+v", m.Offer, o)
 	}
-	o.HasEvent, o.Event, o.Meta = false, IPCHandle{}, nil
+	o.HasEvent, o.Event, o.Meta = false, Handle{}, nil
 	if _, err := d.decode(frameBody(t, appendOffer(nil, &o)), &m); err != nil {
 		t.Fatal(err)
 	}

@@ -445,12 +445,12 @@ func rawProducer(ce *ChildEnv) error {
 	if err := Fill(ce.Ctx, p, 4096, 7); err != nil {
 		return err
 	}
-	other := transport.IPCHandle(h)
+	other := transport.Handle(h)
 	other[20] ^= 0xff
 	offers := []transport.Offer{
-		{Seq: 1, AllocID: 1, Handle: transport.IPCHandle(h)},
-		{Seq: 2, AllocID: 2, Handle: transport.IPCHandle(h)}, // same handle, another allocation
-		{Seq: 3, AllocID: 1, Handle: other},                  // same allocation, another handle
+		{Seq: 1, AllocID: 1, Handle: transport.Handle(h)},
+		{Seq: 2, AllocID: 2, Handle: transport.Handle(h)}, // same handle, another allocation
+		{Seq: 3, AllocID: 1, Handle: other},               // same allocation, another handle
 	}
 	for i := range offers {
 		o := &offers[i]
@@ -824,7 +824,7 @@ func freeOnGoodbyeRound(ctx context.Context, ce *ChildEnv, ln *transport.Listene
 	if err := Fill(ce.Ctx, p, 4096, 1); err != nil {
 		return err
 	}
-	o := transport.Offer{Seq: 1, AllocID: 1, Handle: transport.IPCHandle(h), AllocSize: size, Size: 4096, Device: dev, Meta: Meta(1)}
+	o := transport.Offer{Seq: 1, AllocID: 1, Handle: transport.Handle(h), AllocSize: size, Size: 4096, Device: dev, Meta: Meta(1)}
 	if err := conn.SendOffer(ctx, &o); err != nil {
 		return err
 	}
