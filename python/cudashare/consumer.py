@@ -30,6 +30,7 @@ from .errors import Closed, CudashareError, NotSupported, ProducerGone, Protocol
 from .lease import Lease
 
 log = logging.getLogger("cudashare")
+_MISSING = object()
 
 MAX_EVENTS = 4096          # distinct producer events cached per connection (PROTOCOL.md §4)
 MAX_RELEASE_STREAMS = 64   # streams with their own release event
@@ -177,6 +178,7 @@ class Consumer:
         self._stats = collections.Counter()
         self._n_offers = self._n_handoffs = self._n_releases = self._n_bytes = 0
         self._n_msgs = 0
+        self._n_ordered = 0
 
     # --- setup ---
 
@@ -365,7 +367,7 @@ class Consumer:
         if self._bye_received:
             raise ProtocolError(errors.UNEXPECTED_MESSAGE, "message kind %d after the producer's goodbye" % kind)
         if kind == wire.OFFER:
-            self._on_offer(wire.Offer.parse(m, body_len))
+            self._on_offer(Lease.parse(m, body_len))
         elif kind == wire.RETIRE:
             wire.need(m, 2, "retire")
             self._on_retire(wire.uint(m[1], "retire.alloc_id"))
@@ -385,6 +387,28 @@ class Consumer:
             raise ProtocolError(errors.UNKNOWN_MESSAGE, "unknown message kind %d" % kind)
 
     def _on_offer(self, o):
+        """o: the offer, parsed into the Lease it becomes."""
+        if not o.nfds and not self._bye_sent:
+            # The common case, in one lock: an allocation mapped already,
+            # an event opened already (or none).
+            eh = o.event_handle
+            ev = None if eh is None else self._events.get(eh, _MISSING)
+            if ev is not _MISSING:
+                with self._lock:
+                    out = self._outstanding
+                    a = self._allocs.get(o.alloc_id)
+                    if (a is not None and a.mapping.kind == o.handle_kind and len(out) < self._window
+                            and o.seq not in out):
+                        self._check_mapped(o, a, ())
+                        o._bind(self, a, ev)
+                        a.leases += 1
+                        out[o.seq] = weakref.ref(o)
+                        self._queue.append(o)
+                        self._n_offers += 1
+                        self._n_bytes += o.size
+                        if self._waiters:
+                            self._wake()
+                        return
         fds = []
         try:
             if o.nfds:
@@ -400,14 +424,7 @@ class Consumer:
                     raise ProtocolError(errors.UNEXPECTED_MESSAGE, "offer of seq %d, which is outstanding already" % o.seq)
                 a = self._allocs.get(o.alloc_id)
             if a is not None:
-                if a.retired:
-                    raise ProtocolError(errors.UNEXPECTED_MESSAGE, "offer in allocation %d after its retire" % o.alloc_id)
-                if a.mapping.handle != o.handle or a.mapping.kind != o.handle_kind:
-                    raise wire.malformed("allocation %d offered with another handle", o.alloc_id)
-                if fds:
-                    raise wire.malformed("offer of allocation %d, mapped already, carries %d descriptors", o.alloc_id, len(fds))
-                if o.alloc_size > a.mapping.size or (a.mapping.kind == wire.HANDLE_CUDA_IPC and o.alloc_size != a.mapping.size):
-                    raise wire.malformed("allocation %d offered with alloc_size %d, mapped with %d", o.alloc_id, o.alloc_size, a.mapping.size)
+                self._check_mapped(o, a, fds)
             else:
                 if o.handle_kind == wire.HANDLE_POSIX_FD and len(fds) != 1:
                     raise wire.malformed("first offer of posix_fd allocation %d carries %d descriptors, want 1", o.alloc_id, len(fds))
@@ -425,12 +442,12 @@ class Consumer:
                         raise ProtocolError(errors.LIMIT, "more than %d distinct producer events" % MAX_EVENTS)
                     ev = self._backend.open_event(o.event_handle)
                     self._events[o.event_handle] = ev
-            lease = Lease(self, o, a, ev)
+            o._bind(self, a, ev)
             with self._lock:
                 self._allocs[o.alloc_id] = a
                 a.leases += 1
-                self._outstanding[o.seq] = weakref.ref(lease)
-                self._queue.append(lease)
+                self._outstanding[o.seq] = weakref.ref(o)
+                self._queue.append(o)
                 self._n_offers += 1
                 self._n_bytes += o.size
                 if self._waiters:
@@ -441,6 +458,19 @@ class Consumer:
                     os.close(fd)
                 except OSError:
                     pass
+
+    @staticmethod
+    def _check_mapped(o, a, fds):
+        """Checks an offer in an allocation mapped already (PROTOCOL.md §4.1)."""
+        if a.retired:
+            raise ProtocolError(errors.UNEXPECTED_MESSAGE, "offer in allocation %d after its retire" % o.alloc_id)
+        mp = a.mapping
+        if mp.handle != o.handle or mp.kind != o.handle_kind:
+            raise wire.malformed("allocation %d offered with another handle", o.alloc_id)
+        if fds:
+            raise wire.malformed("offer of allocation %d, mapped already, carries %d descriptors", o.alloc_id, len(fds))
+        if o.alloc_size > mp.size or (mp.kind == wire.HANDLE_CUDA_IPC and o.alloc_size != mp.size):
+            raise wire.malformed("allocation %d offered with alloc_size %d, mapped with %d", o.alloc_id, o.alloc_size, mp.size)
 
     def _on_retire(self, alloc_id):
         with self._lock:
@@ -510,7 +540,7 @@ class Consumer:
                     if not a.closed:
                         a.rel_events.add(r[0])
                     ev_stream = s
-                    self._stats["ordered_releases"] += 1
+                    self._n_ordered += 1
                 else:
                     self._backend.stream_sync(s)
             if ev_stream is None:
@@ -695,7 +725,7 @@ class Consumer:
         with self._lock:
             d = dict(self._stats)
             d.update(offers=self._n_offers, handoffs=self._n_handoffs, releases=self._n_releases,
-                     bytes=self._n_bytes, release_messages=self._n_msgs)
+                     bytes=self._n_bytes, release_messages=self._n_msgs, ordered_releases=self._n_ordered)
             return d
 
     def close(self, timeout=5.0, reason="consumer closed"):

@@ -2,11 +2,11 @@
 
 import warnings
 
-from . import dlpack, meta
+from . import dlpack, meta, wire
 from .errors import Closed, NotSupported
 
 
-class Lease:
+class Lease(wire.Offer):
     """One lent buffer, valid until ``release``.
 
     Views of it (``__cuda_array_interface__``, ``__dlpack__``, ``host()``,
@@ -16,23 +16,18 @@ class Lease:
     collector with a ResourceWarning and counted in
     ``Consumer.stats()["leaked"]``, as the Go package does; a framework
     tensor made from it keeps it alive.
+
+    A lease is its offer (PROTOCOL.md section 4): seq, alloc_id,
+    generation, offset, size, meta, handle_kind, device_uuid and
+    received_ns (when it arrived, time.monotonic_ns) are the ones to read;
+    the consumer parses the offer straight into the lease.
     """
 
-    __slots__ = ("_c", "_a", "seq", "alloc_id", "generation", "offset", "size", "meta", "handle_kind",
-                 "device_uuid", "received_ns", "_mapping", "_event", "_waited", "released", "__weakref__")
+    __slots__ = ("_c", "_a", "_mapping", "_event", "_waited", "released", "__weakref__")
 
-    def __init__(self, consumer, offer, alloc, event):
+    def _bind(self, consumer, alloc, event):
         self._c = consumer
         self._a = alloc          # the consumer's record of the allocation
-        self.seq = offer.seq
-        self.alloc_id = offer.alloc_id
-        self.generation = offer.generation
-        self.offset = offer.offset
-        self.size = offer.size
-        self.meta = offer.meta
-        self.handle_kind = offer.handle_kind
-        self.device_uuid = offer.device_uuid
-        self.received_ns = offer.received_ns
         self._mapping = alloc.mapping
         self._event = event      # the producer's opened event, or None
         self._waited = None      # the stream last made to wait on it (most use one)

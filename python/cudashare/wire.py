@@ -80,7 +80,8 @@ def decode(body):
     # Only containers can break the nesting and key rules: a message of
     # scalars (an offer's fields but its meta, a retire) costs one pass.
     for x in msg:
-        if type(x) is list or type(x) is dict:
+        t = type(x)
+        if t is list or t is dict:
             _check_free(x, 1)
     return msg
 
@@ -89,17 +90,20 @@ _unpackb = msgpack.unpackb
 
 
 def _check_free(v, depth):
+    # type(), not isinstance: msgpack builds exactly list, dict and str.
     if depth > MAX_DEPTH:
         raise malformed("values nest deeper than %d", MAX_DEPTH)
-    if isinstance(v, list):
+    if type(v) is list:
         for x in v:
-            if isinstance(x, (list, dict)):
+            t = type(x)
+            if t is list or t is dict:
                 _check_free(x, depth + 1)
-    elif isinstance(v, dict):
+    else:
         for k, x in v.items():
-            if not isinstance(k, str):
+            if type(k) is not str:
                 raise malformed("map key %r, want str", k)
-            if isinstance(x, (list, dict)):
+            t = type(x)
+            if t is list or t is dict:
                 _check_free(x, depth + 1)
 
 
@@ -140,7 +144,9 @@ def _u64(v, field):
 
 
 class Offer:
-    """A decoded, checked offer (section 4)."""
+    """A decoded, checked offer (section 4). The consumer's Lease is one
+    (a subclass), so that an offer's fields are parsed straight into the
+    lease the application gets, with nothing copied."""
     __slots__ = ("seq", "alloc_id", "generation", "handle", "alloc_size", "offset",
                  "size", "device_uuid", "event_handle", "meta", "nfds", "handle_kind",
                  "received_ns")
@@ -149,10 +155,11 @@ class Offer:
     def parse(cls, m, body_len=None):
         """m: a decoded offer. body_len: the frame body's size, when known:
         a body of at most MAX_META bytes cannot hold a larger meta, so the
-        meta is measured only in larger frames."""
+        meta is measured only in larger frames. Returns an instance of cls
+        made without calling its __init__."""
         if len(m) < 12:
             need(m, 12, "offer")
-        o = cls()
+        o = cls.__new__(cls)
         o.seq = _u64(m[1], "offer.seq")
         o.alloc_id = _u64(m[2], "offer.alloc_id")
         o.generation = _u64(m[3], "offer.generation")
