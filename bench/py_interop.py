@@ -165,6 +165,7 @@ class Cupy:
         self.info = {}
         self.streams_seen = collections.Counter()
         self.capsule_via = None   # "cupy.from_dlpack(capsule)" or "wrapper"
+        self.paths = collections.Counter()
 
     def load(self):
         try:
@@ -230,6 +231,7 @@ class Cupy:
             if m == "both":
                 m = "protocol" if self.i % 2 == 0 else "capsule"
             self.i += 1
+            self.paths[m] += 1
             if m == "protocol":
                 x = cp.from_dlpack(lease)         # CuPy passes self.sp (its current stream)
             else:
@@ -250,6 +252,8 @@ class Cupy:
             self.info["capsule_via"] = self.capsule_via
         if self.streams_seen:
             self.info["wrapper_streams"] = {str(k): v for k, v in self.streams_seen.items()}
+        if self.paths:
+            self.info["dlpack_paths"] = dict(self.paths)
         return int(self.acc.get())
 
     def abort(self):

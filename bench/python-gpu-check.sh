@@ -18,7 +18,9 @@
 #   cupy-ring        bench/py_interop.py --framework cupy: cupy.asarray(lease)
 #                    (__cuda_array_interface__ v3), checked on a non-blocking
 #                    CuPy stream ordered after the CAI's stream, stream-ordered
-#                    release.
+#                    release. CuPy also waits on the host for the CAI's stream
+#                    (CAI v3); CUPY_CUDA_ARRAY_INTERFACE_SYNC=0 in the
+#                    environment turns that off, leaving the GPU-side order.
 #   cupy-dlpack-ring --framework cupy-dlpack: cupy.from_dlpack(lease) and
 #                    cupy.from_dlpack(lease.__dlpack__(stream=ptr)), alternating.
 #   jax-ring         --framework jax: jax.numpy.from_dlpack(lease), a jitted
@@ -194,7 +196,7 @@ if res == "ok" and want and n != int(want):
 extra = ""
 if c.get("zero_copy"):
     extra += ", zero-copy %s" % c["zero_copy"]
-for k in ("capsule_via", "jax_api"):
+for k in ("cupy_cai_sync", "dlpack_paths", "capsule_via", "jax_api"):
     if c.get(k):
         extra += ", %s %s" % (k.replace("_", " "), c[k])
 details = "%s batches, %s verified, %s wrong, %s/s, sharing %s, %s%s%s" % (
