@@ -6,7 +6,11 @@ handoffs per second.
     go run ./cmd/cudashare producer &          # on a GPU machine
     python examples/python/trainer.py --socket /tmp/cudashare-$(id -u)/cudashare.sock
 
-Without torch or without a GPU it says so and exits 0 (skipped).
+--batches N stops after N batches (default: until the producer says
+goodbye). The last line says how it went: "trainer: ok: N batches, every
+byte verified on the GPU" (exit 0), or "trainer: FAILED: ..." (exit 1:
+wrong bytes, or no batch at all). Without torch or without a GPU it says
+"trainer: skipped: ..." and exits 0.
 """
 
 import argparse
@@ -31,15 +35,18 @@ def main():
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--credits", type=int, default=8)
     ap.add_argument("--batches", type=int, default=0, help="stop after this many (0: until the producer ends)")
+    ap.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the producer's socket")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         print("trainer: skipped: torch sees no GPU")
         return 0
     dev = torch.device("cuda", a.device)
+    torch.cuda.set_device(dev)
     stream = torch.cuda.Stream(dev)
-    bad = torch.zeros((), dtype=torch.int64, device=dev)
+    with torch.cuda.stream(stream):
+        bad = torch.zeros((), dtype=torch.int64, device=dev)  # zeroed on stream, before the checks add to it
     n = 0
-    with cudashare.connect(a.socket, device=a.device, credits=a.credits, backend="cuda", wait=10,
+    with cudashare.connect(a.socket, device=a.device, credits=a.credits, backend="cuda", wait=a.wait,
                            handle_sigterm=True) as c:
         t0 = time.perf_counter()
         with torch.cuda.stream(stream):
@@ -55,7 +62,14 @@ def main():
         dt = time.perf_counter() - t0
     wrong = int(bad.item())
     print("trainer: %d handoffs in %.2fs: %.0f/s; %d wrong bytes" % (n, dt, n / dt if dt else 0, wrong))
-    return 1 if wrong else 0
+    if n == 0:
+        print("trainer: FAILED: no batch received")
+        return 1
+    if wrong:
+        print("trainer: FAILED: %d wrong bytes in %d batches" % (wrong, n))
+        return 1
+    print("trainer: ok: %d batches, every byte verified on the GPU" % n)
+    return 0
 
 
 if __name__ == "__main__":
