@@ -1,11 +1,20 @@
 """cudashare: use CUDA buffers a cudashare producer lends, with no copy.
 
-    import cudashare
-    with cudashare.connect("/tmp/cudashare-1000/cudashare.sock") as c:
+    import cudashare, torch
+    s = torch.cuda.Stream()
+    with cudashare.connect("/tmp/cudashare-1000/cudashare.sock") as c, torch.cuda.stream(s):
         for lease in c:                      # until the producer says goodbye
-            with lease:                      # released on exit
-                t = torch.as_tensor(lease, device="cuda")   # no copy
-                ...
+            t = torch.from_dlpack(lease)     # no copy; s waits for the producer's writes
+            ...                              # torch work on s
+            lease.release(stream=s)          # after that work, with no host wait
+
+DLPack orders the consumer's stream (the framework passes it to
+__dlpack__). ``torch.as_tensor(lease, device="cuda")`` (the CUDA array
+interface) works too, but torch ignores the interface's stream: reading the
+interface makes the legacy default stream wait for the producer, so work
+on any other stream is not ordered after the producer's writes.
+``lease.release()`` without a stream means every use has completed (after a
+host synchronize); ``with lease:`` releases that way on exit.
 
 A pure-Python implementation of the repository's PROTOCOL.md (a consumer
 only), with msgpack as its one dependency and the CUDA driver reached
