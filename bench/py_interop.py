@@ -109,7 +109,17 @@ class _Premade:
 # release it), finish (wait for the work; the count of wrong bytes), abort
 # (best-effort wait before the consumer closes after an error).
 
-class Host:
+class _NoHold:
+    """Frameworks that release each lease in check() hold none."""
+
+    def holds(self):
+        return False
+
+    def drain(self):
+        pass
+
+
+class Host(_NoHold):
     impl = "cudashare-python"
     backend = "auto"
 
@@ -153,7 +163,7 @@ class Host:
         pass
 
 
-class Cupy:
+class Cupy(_NoHold):
     backend = "cuda"
 
     def __init__(self, a, mode):
@@ -262,6 +272,17 @@ class Cupy:
 
 class Jax:
     backend = "cuda"
+
+    def holds(self):
+        return bool(self.pending)
+
+    def drain(self):
+        """Releases the held leases, after the checks that read them."""
+        while self.pending:
+            l, r = self.pending.popleft()
+            r.block_until_ready()
+            l.release()
+
     impl = "cudashare-python+jax"
 
     def __init__(self, a):
@@ -355,7 +376,7 @@ class Jax:
             pass
 
 
-class TorchCai:
+class TorchCai(_NoHold):
     backend = "cuda"
     impl = "cudashare-python+torch-cai"
 
@@ -501,7 +522,17 @@ def main():
     st = {}
     try:
         with fw.ctx():
-            for lease in c:
+            while True:
+                # A framework that releases from the host after its check
+                # (JAX) holds leases: once no offer comes (the producer has
+                # none left, or waits for those), they must go back.
+                try:
+                    lease = c.next(timeout=0.01) if fw.holds() else c.next()
+                except cudashare.Timeout:
+                    fw.drain()
+                    continue
+                except cudashare.Closed:
+                    break
                 now = time.monotonic_ns()
                 if t0 is None:
                     t0 = now
