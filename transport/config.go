@@ -61,7 +61,9 @@ type Config struct {
 	MaxConns int
 	// MaxConnsPerPeer caps a Listener's connections from one process (by
 	// its SO_PEERCRED pid), so that one process cannot take them all.
-	// 0 means 64.
+	// 0 means 64. Peers whose pid reads 0 (in PID namespaces the
+	// listener's cannot see: other containers) cannot be told apart; they
+	// count together against max(MaxConnsPerPeer, MaxConns/2).
 	MaxConnsPerPeer int
 	// MaxHandshakes caps the connections a Listener holds between
 	// accepting them and the end of their handshake. One past it evicts
@@ -71,7 +73,8 @@ type Config struct {
 	MaxHandshakes int
 	// MaxHandshakesPerPeer caps the pending handshakes from one process
 	// (by pid): one past it is sent an error matching ErrLimit and
-	// closed. 0 means 8.
+	// closed. 0 means 8. Peers whose pid reads 0 count together against
+	// max(MaxHandshakesPerPeer, MaxHandshakes/2).
 	MaxHandshakesPerPeer int
 	// Logger receives refusals and failed handshakes. Nil means
 	// slog.Default().

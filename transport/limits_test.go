@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // readLimitError reads the error message a refused connection gets and
@@ -191,5 +193,84 @@ func TestConfigLimits(t *testing.T) {
 		if _, err := cfg.resolve(); err == nil {
 			t.Errorf("%s: resolve accepted the config", name)
 		}
+	}
+}
+
+// otherNamespacePeers makes every peer this process sees read pid 0, as
+// peers in a PID namespace it cannot see (another container) do, until the
+// test ends. Tests that call it must not run in parallel.
+func otherNamespacePeers(t *testing.T) {
+	t.Helper()
+	prev := peerCred
+	peerCred = func(c *net.UnixConn) (*unix.Ucred, error) {
+		cred, err := prev(c)
+		if err == nil {
+			cred.Pid = 0
+		}
+		return cred, err
+	}
+	t.Cleanup(func() { peerCred = prev })
+}
+
+// TestOtherNamespacePeersShareHalf: peers whose pid reads 0 cannot be told
+// apart, so they share one bucket, but one of half the listener's limits,
+// not one process's: a ninth handshake or a 65th connection from all the
+// other containers together is not refused, and the refusal, when it
+// comes, says why.
+func TestOtherNamespacePeersShareHalf(t *testing.T) {
+	otherNamespacePeers(t)
+	cfg := testConfig(RoleProducer, nil)
+	cfg.HandshakeTimeout = time.Minute
+	cfg.MaxConnsPerPeer = 2
+	cfg.MaxConns = 8
+	cfg.MaxHandshakesPerPeer = 1
+	cfg.MaxHandshakes = 6
+	l := listen(t, cfg)
+	ctx := testCtx(t)
+
+	// Handshakes: 3 (MaxHandshakes/2) may wait, not 1.
+	var silent []net.Conn
+	for range 4 {
+		silent = append(silent, rawDial(t, l.Addr()).c)
+	}
+	readLimitError(t, silent[3], "max(MaxHandshakesPerPeer, MaxHandshakes/2)=3")
+	for _, c := range silent {
+		c.Close()
+	}
+
+	// Connections: 4 (MaxConns/2), not 2.
+	dial := func() error {
+		t.Helper()
+		var c *Conn
+		var err error
+		// The silent connections' pending handshakes end when the
+		// listener sees them closed: retry a refusal that names them.
+		for range 100 {
+			c, err = Dial(ctx, l.Addr(), testConfig(RoleConsumer, nil))
+			if err == nil || !strings.Contains(err.Error(), "handshakes pending") {
+				break
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+		if err != nil {
+			return err
+		}
+		t.Cleanup(func() { c.Close() })
+		a, err := l.Accept(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { a.Close() })
+		return nil
+	}
+	for i := range 4 {
+		if err := dial(); err != nil {
+			t.Fatalf("connection %d from other namespaces: %v", i, err)
+		}
+	}
+	err := dial()
+	if !errors.Is(err, ErrLimit) || !strings.Contains(err.Error(), "other PID namespaces") ||
+		!strings.Contains(err.Error(), "max(MaxConnsPerPeer, MaxConns/2)=4") {
+		t.Fatalf("connection past the other namespaces' bucket: %v, want ErrLimit naming it", err)
 	}
 }

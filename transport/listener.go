@@ -263,9 +263,9 @@ func (l *Listener) admit(nc *net.UnixConn) {
 	}
 	l.mu.Lock()
 	err = l.checkOpenLocked(cred.Pid)
-	if err == nil && l.pendingPer[cred.Pid] >= l.cfg.MaxHandshakesPerPeer {
-		err = fmt.Errorf("%w: pid %d has %d handshakes pending at listener %s: limit MaxHandshakesPerPeer=%d",
-			ErrLimit, cred.Pid, l.pendingPer[cred.Pid], l.path, l.cfg.MaxHandshakesPerPeer)
+	if _, lim := l.cfg.peerLimits(cred.Pid); err == nil && l.pendingPer[cred.Pid] >= lim {
+		err = fmt.Errorf("%w: %s %d handshakes pending at listener %s: limit %s=%d",
+			ErrLimit, peerName(cred.Pid), l.pendingPer[cred.Pid], l.path, limitName(cred.Pid, "MaxHandshakes"), lim)
 	}
 	if err != nil {
 		l.mu.Unlock()
@@ -322,15 +322,51 @@ func (l *Listener) admit(nc *net.UnixConn) {
 // checkOpenLocked returns an error matching ErrLimit if pid may not open
 // another connection.
 func (l *Listener) checkOpenLocked(pid int32) error {
-	if n := l.openPer[pid]; n >= l.cfg.MaxConnsPerPeer {
-		return fmt.Errorf("%w: pid %d has %d connections to listener %s: limit MaxConnsPerPeer=%d",
-			ErrLimit, pid, n, l.path, l.cfg.MaxConnsPerPeer)
+	if n, lim := l.openPer[pid], l.cfg.connLimit(pid); n >= lim {
+		return fmt.Errorf("%w: %s %d connections to listener %s: limit %s=%d",
+			ErrLimit, peerName(pid), n, l.path, limitName(pid, "MaxConns"), lim)
 	}
 	if l.open >= l.cfg.MaxConns {
 		return fmt.Errorf("%w: listener %s has %d connections: limit MaxConns=%d",
 			ErrLimit, l.path, l.open, l.cfg.MaxConns)
 	}
 	return nil
+}
+
+// peerLimits returns the most connections and pending handshakes the
+// peer process pid (its SO_PEERCRED pid) may have at a listener. A pid
+// that reads 0 is a process in a PID namespace this one cannot see
+// (another container; PROTOCOL.md sections 3 and 4.1). Such peers cannot
+// be told apart, so they share one bucket, sized for many processes: half
+// of the listener's limits (no less than one peer's), which leaves the
+// other half to the peers that can be told apart. Counted as one process,
+// all the other containers together could hold 8 pending handshakes and
+// 64 connections.
+func (c *Config) peerLimits(pid int32) (conns, handshakes int) {
+	if pid != 0 {
+		return c.MaxConnsPerPeer, c.MaxHandshakesPerPeer
+	}
+	return max(c.MaxConnsPerPeer, c.MaxConns/2), max(c.MaxHandshakesPerPeer, c.MaxHandshakes/2)
+}
+
+func (c *Config) connLimit(pid int32) int {
+	n, _ := c.peerLimits(pid)
+	return n
+}
+
+// peerName and limitName word a limit's refusal for pid.
+func peerName(pid int32) string {
+	if pid == 0 {
+		return "the peers in other PID namespaces (pid 0, counted together) have"
+	}
+	return fmt.Sprintf("pid %d has", pid)
+}
+
+func limitName(pid int32, what string) string {
+	if pid == 0 {
+		return "max(" + what + "PerPeer, " + what + "/2)"
+	}
+	return what + "PerPeer"
 }
 
 // reserve counts c, whose peer's hello has arrived, against the

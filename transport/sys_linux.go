@@ -59,7 +59,11 @@ func parseRights(oob []byte) ([]int, error) {
 }
 
 // peerCred returns the credentials the kernel recorded for the peer of c.
-func peerCred(c *net.UnixConn) (*unix.Ucred, error) {
+// A variable so that a test can stand in for a peer in another PID
+// namespace (pid 0), which a test cannot otherwise make without privileges.
+var peerCred = sockPeerCred
+
+func sockPeerCred(c *net.UnixConn) (*unix.Ucred, error) {
 	rc, err := c.SyscallConn()
 	if err != nil {
 		return nil, err

@@ -231,9 +231,10 @@ class Consumer:
             wire.binn(d, 16, "hello-ack.devices")
         self.producer = {"pid": wire.uint(m[3], "hello-ack.pid"), "devices": devs,
                          "caps": wire.uint(m[6], "hello-ack.capabilities")}
-        # PROTOCOL.md §3.1: a producer whose pid reads 0 here lives in a
-        # sibling PID namespace (or one this side cannot see), where the
-        # driver refuses interprocess events: release on the host instead.
+        # PROTOCOL.md §4.1, events and PID namespaces: a producer whose
+        # pid reads 0 here lives in a sibling PID namespace (or one this
+        # side cannot see), where the driver refuses interprocess events:
+        # release on the host instead.
         try:
             peer_pid = struct.unpack("3i", self._sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
         except OSError:
