@@ -201,8 +201,10 @@ func (l *Lease) WaitOn(s *driver.Stream) error {
 // far is done, without waiting for it: the last use of the buffer must be
 // queued on s. The producer's next write of the buffer waits for that work
 // on the GPU (stream-ordered release; PROTOCOL.md, section 4). With a
-// producer that does not take release events, ReleaseAfter waits for s on
-// the host, then releases. A nil s is Release. Like Release, it is
+// producer that does not take release events, or one in a PID namespace
+// this process cannot see (another container: the driver does not open
+// interprocess events there), ReleaseAfter waits for s on the host, then
+// releases. A nil s is Release. Like Release, it is
 // idempotent; the pointer must not be used by work queued after it.
 func (l *Lease) ReleaseAfter(s *driver.Stream) error {
 	if s == nil {

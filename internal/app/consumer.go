@@ -102,7 +102,7 @@ func RunConsumer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.StringVar(&cfg.socket, "socket", DefaultSocket(), "the producer's Unix socket")
 	fs.IntVar(&cfg.workers, "workers", 2, "workers handling batches concurrently")
 	fs.IntVar(&cfg.credits, "credits", 8, "most batches held at once, queued or in work: the producer never lends more")
-	fs.Var(&cfg.verify, "verify", "check each batch's content: every (16 bytes at each end), byte (one byte, as the torch benchmark does), sample:N (every Nth batch), none; async: copy each batch into a local buffer on the worker's own stream, release it stream-ordered with no host wait, and check 16-byte samples in groups of 64 (one host wait per 64 batches)")
+	fs.Var(&cfg.verify, "verify", "check each batch's content: every (16 bytes at each end), byte (one byte, as the torch benchmark does), sample:N (every Nth batch), none; async: copy each batch into a local buffer on the worker's own stream, release it stream-ordered with no host wait, and check 16-byte samples in groups of 64 (one host wait per 64 batches); with a producer in a PID namespace this one cannot see (another container), or one that does not take release events, interprocess events cannot be used and each release waits on the host for the copy")
 	fs.Uint64Var(&cfg.count, "count", 0, "stop after this many batches (0: until the producer ends)")
 	fs.DurationVar(&cfg.duration, "duration", 0, "stop after this long (0: until the producer ends)")
 	fs.DurationVar(&cfg.wait, "wait", 0, "wait this long for the producer's socket to appear (0: fail at once if it is not there)")
