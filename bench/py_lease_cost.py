@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""bench/py_lease_cost.py: where a Python consumer's time per lease goes.
+
+Against the Go example producer (ring of 8 x 1 MiB with -fill and an
+interprocess event: the default), in the main thread, each step of each
+lease is timed with time.perf_counter and the means are printed per lease:
+
+  next         Consumer.next(): reading and checking the offer (this package)
+  __dlpack__   the capsule, and the consumer's stream made to wait on the
+               producer's event (one cuStreamWaitEvent)
+  from_dlpack  torch.from_dlpack of the capsule (torch)
+  op           the torch work: acc.add_(x.narrow(0, 0, 16)) (torch)
+  del          dropping the tensor (DLPack deleter)
+  release      lease.release(stream=...): one cuEventRecord of an
+               interprocess event, and the release message (batched)
+
+--mode picks the steps: "release" (next and a stream-ordered release
+only), "dlpack" (and the tensor, no op), "op" (everything: the
+benchmark's per-batch torch work), "host" (next and a host release).
+The means are CPU time of this thread while it is the bound (the
+producer outruns one Python consumer); when next() grows, the
+producer or the GPU is the bound instead.
+
+    .gpu/bin/producer -socket $S -duration 3s &
+    python3 bench/py_lease_cost.py --socket $S --mode op
+
+Prints one line: mode, leases/s, and the mean microseconds of each step.
+Needs torch and a GPU (exit 3 without).
+"""
+
+import argparse
+import os
+import sys
+import time
+
+here = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.environ.get("PYPKG") or os.path.join(here, "..", "python"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--mode", choices=["release", "dlpack", "op", "host"], default="op")
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--wait", type=float, default=20.0)
+    a = ap.parse_args()
+    try:
+        import torch
+    except ImportError as e:
+        print("py_lease_cost: skipped: no torch (%s)" % e)
+        return 3
+    if not torch.cuda.is_available():
+        print("py_lease_cost: skipped: torch sees no GPU")
+        return 3
+    import cudashare
+
+    dev = torch.device("cuda", a.device)
+    torch.cuda.set_device(dev)
+    stream = torch.cuda.Stream(dev)
+    sp = stream.cuda_stream
+    acc = torch.zeros(16, dtype=torch.int64, device=dev)
+    torch.cuda.synchronize()
+    c = cudashare.connect(a.socket, device=a.device, credits=8, wait=a.wait, backend="cuda")
+    pc = time.perf_counter
+    tensor = a.mode in ("dlpack", "op")
+    T = [0.0] * 6
+    n = 0
+    t0 = t1 = None
+    with torch.cuda.stream(stream):
+        while True:
+            s0 = pc()
+            try:
+                lease = c.next()
+            except cudashare.Closed:
+                break
+            s1 = pc()
+            if t0 is None:
+                t0 = s1
+            if tensor:
+                cap = lease.__dlpack__(stream=sp)
+                s2 = pc()
+                x = torch.from_dlpack(cap)
+                s3 = pc()
+                if a.mode == "op":
+                    acc.add_(x.narrow(0, 0, 16))
+                s4 = pc()
+                del x, cap
+            else:
+                s2 = s3 = s4 = s1
+            s5 = pc()
+            if a.mode == "host":
+                lease.release()
+            else:
+                lease.release(stream=sp)
+            s6 = pc()
+            T[0] += s1 - s0
+            T[1] += s2 - s1
+            T[2] += s3 - s2
+            T[3] += s4 - s3
+            T[4] += s5 - s4
+            T[5] += s6 - s5
+            n += 1
+            t1 = s6
+    stream.synchronize()
+    c.close()
+    if n < 2:
+        print("py_lease_cost: %d leases" % n)
+        return 1
+    names = ["next", "__dlpack__", "from_dlpack", "op", "del", "release"]
+    print("%-8s %7d/s  " % (a.mode, n / (t1 - t0)) + "  ".join("%s %.2f" % (k, v / n * 1e6) for k, v in zip(names, T)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
