@@ -42,9 +42,9 @@ type ctxWatch struct {
 const (
 	// A receive buffer starts at initialReadBuffer, enough for any
 	// handshake and for the usual messages, and grows to hold a larger
-	// frame, or up to maxReadBuffer(cfg) for a connection whose reads fill
-	// it: an idle connection costs little, a busy one reads many messages
-	// per system call.
+	// frame, or up to the Conn's rbufMax (set by newConn) for a connection
+	// whose reads fill it: an idle connection costs little, a busy one
+	// reads many messages per system call.
 	initialReadBuffer = 4 << 10
 	minReadBuffer     = 64 << 10
 )
