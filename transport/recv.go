@@ -1,0 +1,389 @@
+//go:build linux
+
+package transport
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"slices"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// readOp is a recvmsg call made through the RawConn. Its func is built
+// once per Conn so that a read does not allocate.
+type readOp struct {
+	fn      func(fd uintptr) bool
+	p, oob  []byte
+	n, oobn int
+	flags   int
+	errno   unix.Errno
+}
+
+// ctxWatch turns the cancellation of Recv's context into a read deadline
+// in the past, which interrupts a blocked read. It stays registered while
+// Recv is called with the same context, so a receive loop with one
+// long-lived context costs nothing per call.
+type ctxWatch struct {
+	mu    sync.Mutex
+	done  <-chan struct{} // of the context registered; rmu
+	stop  func() bool
+	gen   uint64
+	fired bool
+}
+
+const (
+	// A receive buffer starts at initialReadBuffer, enough for any
+	// handshake and for the usual messages, and grows to hold a larger
+	// frame, or up to the Conn's rbufMax (set by newConn) for a connection
+	// whose reads fill it: an idle connection costs little, a busy one
+	// reads many messages per system call.
+	initialReadBuffer = 4 << 10
+	minReadBuffer     = 64 << 10
+)
+
+// Recv receives the next message into m. Slices in m (Offer.Meta, Seqs)
+// are views into the Conn's buffers, valid until the next Recv;
+// descriptors in m.Offer.FDs belong to the caller.
+//
+// Recv returns io.EOF after the peer's goodbye, once the peer has closed
+// the connection, and an error matching ErrDisconnected if the peer went
+// away without one. If ctx ends first, Recv returns ctx.Err() and the
+// connection stays usable. Any other error is final.
+func (c *Conn) Recv(ctx context.Context, m *Message) error {
+	c.rmu.Lock()
+	defer c.rmu.Unlock()
+	if c.rerr != nil {
+		return c.rerr
+	}
+	body, err := c.readFrame(ctx)
+	if err == nil {
+		var kind Kind
+		if kind, err = c.dec.decode(body, m); err == nil {
+			err = c.admit(kind, m)
+		}
+	}
+	if err != nil {
+		if ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
+			return err
+		}
+		return c.recvFailed(err)
+	}
+	return nil
+}
+
+// readFrame returns the body of the next frame, a view into rbuf.
+func (c *Conn) readFrame(ctx context.Context) ([]byte, error) {
+	for {
+		avail := c.w - c.r
+		need := headerSize
+		if avail >= headerSize {
+			n := binary.BigEndian.Uint32(c.rbuf[c.r:])
+			if n > uint32(c.cfg.MaxFrameSize) {
+				return nil, fmt.Errorf("%w: length %d, cap %d", ErrFrameTooLarge, n, c.cfg.MaxFrameSize)
+			}
+			if n == 0 {
+				return nil, malformed("empty frame")
+			}
+			need += int(n)
+			if avail >= need {
+				body := c.rbuf[c.r+headerSize : c.r+need : c.r+need]
+				c.r += need
+				c.frameStart = time.Time{}
+				return body, nil
+			}
+		} else if avail == 0 {
+			c.r, c.w = 0, 0
+			// Descriptors arrive with the first byte of the message
+			// that claims them, so with nothing buffered they are stray.
+			if len(c.fdq) > 0 {
+				return nil, malformed("%d descriptors arrived with no message", len(c.fdq))
+			}
+		}
+		if c.r+need > len(c.rbuf) {
+			if need > len(c.rbuf) {
+				c.growRead(need)
+			} else {
+				c.w = copy(c.rbuf, c.rbuf[c.r:c.w])
+				c.r = 0
+			}
+		}
+		if err := c.fill(ctx, avail); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// growRead moves the unread bytes to a receive buffer of at least need
+// bytes, twice the size of the one before where that is more.
+func (c *Conn) growRead(need int) {
+	b := make([]byte, min(max(need, 2*len(c.rbuf)), max(need, c.rbufMax)))
+	c.w = copy(b, c.rbuf[c.r:c.w])
+	c.r = 0
+	c.rbuf = b
+}
+
+// fill reads what the socket has into rbuf[w:], waiting for at least a
+// byte; avail is the number of bytes of a partial frame buffered.
+func (c *Conn) fill(ctx context.Context, avail int) error {
+	if !c.handshaking {
+		// The rest of a partial frame must arrive within FrameTimeout;
+		// with nothing buffered, there is no deadline. This comes before
+		// the check of ctx below, so that it cannot undo the deadline in
+		// the past by which a context that ends interrupts the read.
+		var dl time.Time
+		if avail > 0 {
+			if c.frameStart.IsZero() {
+				c.frameStart = time.Now()
+			}
+			dl = c.frameStart.Add(c.cfg.FrameTimeout)
+		}
+		if dl != c.rdl {
+			if err := c.nc.SetReadDeadline(dl); err != nil {
+				return c.failure()
+			}
+			c.rdl = dl
+		}
+	}
+	if done := ctx.Done(); done != nil {
+		select {
+		case <-done:
+			return ctx.Err()
+		default:
+		}
+		if !c.handshaking {
+			c.armRead(ctx, done)
+		}
+	} else if c.watch.done != nil {
+		c.armRead(ctx, nil)
+	}
+	op := &c.rd
+	op.p = c.rbuf[c.w:]
+	if err := c.rc.Read(op.fn); err != nil {
+		switch {
+		case errors.Is(err, os.ErrDeadlineExceeded):
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			if c.handshaking {
+				return fmt.Errorf("%w: no answer within %v", ErrHandshake, c.cfg.HandshakeTimeout)
+			}
+			if !c.rdl.IsZero() && !time.Now().Before(c.rdl) {
+				return fmt.Errorf("%w: a frame cut off after %d bytes for %v (FrameTimeout)", ErrTimeout, avail, c.cfg.FrameTimeout)
+			}
+			// A deadline left by a context no longer watched.
+			return c.nc.SetReadDeadline(c.rdl)
+		case errors.Is(err, net.ErrClosed):
+			return c.failure()
+		}
+		return err
+	}
+	if op.errno != 0 {
+		if op.errno == unix.ECONNRESET && c.bye && avail == 0 {
+			// The peer closed with our messages unread: after its
+			// goodbye, that is still a clean end.
+			return io.EOF
+		}
+		if op.errno == unix.ECONNRESET {
+			return fmt.Errorf("%w: %w", ErrDisconnected, op.errno)
+		}
+		return fmt.Errorf("recvmsg: %w", op.errno)
+	}
+	if op.oobn > 0 || op.flags&unix.MSG_CTRUNC != 0 {
+		if err := c.takeFDs(op.oob[:op.oobn], op.flags); err != nil {
+			return err
+		}
+	}
+	if op.n == 0 {
+		switch {
+		case avail > 0:
+			return fmt.Errorf("%w: %w: frame cut off after %d bytes", ErrDisconnected, io.ErrUnexpectedEOF, avail)
+		case c.bye:
+			return io.EOF
+		}
+		return fmt.Errorf("%w: connection closed without goodbye", ErrDisconnected)
+	}
+	c.w += op.n
+	if c.w == len(c.rbuf) && len(c.rbuf) < c.rbufMax {
+		// The read filled the buffer: more is probably waiting, so
+		// read more at a time from now on.
+		c.growRead(2 * len(c.rbuf))
+	}
+	return nil
+}
+
+// takeFDs queues the descriptors of one recvmsg, or closes them and fails.
+func (c *Conn) takeFDs(oob []byte, flags int) error {
+	fds, err := parseRights(oob)
+	if err != nil {
+		return err
+	}
+	switch {
+	case flags&unix.MSG_CTRUNC != 0:
+		err = malformed("more than %d descriptors with one message", MaxFDs)
+	case !c.cfg.AcceptFDs:
+		err = fmt.Errorf("%w: %d descriptors, and this side did not advertise CapFDs", ErrUnexpectedMessage, len(fds))
+	case len(c.fdq)+len(fds) > MaxFDs:
+		err = malformed("%d descriptors pending, limit %d", len(c.fdq)+len(fds), MaxFDs)
+	}
+	if err != nil {
+		closeFDs(fds)
+		return err
+	}
+	c.fdq = append(c.fdq, fds...)
+	return nil
+}
+
+// armRead registers ctx (whose Done channel is done) to interrupt reads.
+func (c *Conn) armRead(ctx context.Context, done <-chan struct{}) {
+	w := &c.watch
+	if done == w.done {
+		return
+	}
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if w.stop != nil {
+		w.stop()
+		w.stop = nil
+	}
+	w.gen++
+	if w.fired {
+		c.nc.SetReadDeadline(c.rdl) // the frame's, if any
+		w.fired = false
+	}
+	w.done = done
+	if done == nil {
+		return
+	}
+	gen := w.gen
+	w.stop = context.AfterFunc(ctx, func() {
+		w.mu.Lock()
+		defer w.mu.Unlock()
+		if w.gen == gen {
+			w.fired = true
+			c.nc.SetReadDeadline(longAgo)
+		}
+	})
+}
+
+// admit checks a decoded message against the connection's state.
+func (c *Conn) admit(kind Kind, m *Message) error {
+	if c.bye {
+		return fmt.Errorf("%w: %s after goodbye", ErrUnexpectedMessage, kind)
+	}
+	switch kind {
+	case KindHello, KindHelloAck:
+		return fmt.Errorf("%w: %s after the handshake", ErrUnexpectedMessage, kind)
+	case KindError:
+		return &RemoteError{Code: c.dec.errCode, Message: c.dec.errText, Peer: c.desc}
+	case KindGoodbye:
+		c.bye = true
+		return nil
+	}
+	if !c.fromRole(kind) {
+		return fmt.Errorf("%w: %s from a %s", ErrUnexpectedMessage, kind, c.peer.Role)
+	}
+	switch kind {
+	case KindOffer:
+		nfds := c.dec.nfds
+		if nfds > 0 && !c.cfg.AcceptFDs {
+			// Descriptors to a side that did not ask for them, whether
+			// or not any came: PROTOCOL.md section 5.
+			return fmt.Errorf("%w: offer declares %d descriptors, and this side did not advertise CapFDs", ErrUnexpectedMessage, nfds)
+		}
+		if nfds > len(c.fdq) {
+			return malformed("offer declares %d descriptors, %d arrived", nfds, len(c.fdq))
+		}
+		c.mu.Lock()
+		if c.outstanding >= c.window {
+			c.mu.Unlock()
+			return fmt.Errorf("%w: offer beyond the %d credits granted", ErrCredit, c.window)
+		}
+		c.outstanding++
+		c.mu.Unlock()
+		if nfds > 0 {
+			copy(c.fdOut[:], c.fdq[:nfds])
+			c.fdq = slices.Delete(c.fdq, 0, nfds)
+			m.Offer.FDs = c.fdOut[:nfds:nfds]
+		}
+	case KindRelease:
+		if m.HasReleaseEvent && !c.cfg.ReleaseEvents {
+			return fmt.Errorf("%w: a release with an event, and this side did not advertise CapReleaseEvents", ErrNotSupported)
+		}
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		n := uint64(len(m.Seqs))
+		if n > c.outstanding {
+			return fmt.Errorf("%w: %d releases with %d offers outstanding", ErrCredit, n, c.outstanding)
+		}
+		c.outstanding -= n
+		c.wakeLocked()
+	case KindCredit:
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		if c.window+uint64(m.Credits) > MaxWindow {
+			return fmt.Errorf("%w: window of %d credits, limit %d", ErrCredit, c.window+uint64(m.Credits), MaxWindow)
+		}
+		c.window += uint64(m.Credits)
+		c.wakeLocked()
+	}
+	return nil
+}
+
+// fromRole reports whether the peer's role sends messages of kind k.
+func (c *Conn) fromRole(k Kind) bool {
+	switch k {
+	case KindOffer, KindRetire:
+		return c.peer.Role == RoleProducer
+	case KindRelease, KindClosed, KindCredit:
+		return c.peer.Role == RoleConsumer
+	}
+	return false
+}
+
+// recvFailed ends receiving with err and fails the connection.
+func (c *Conn) recvFailed(err error) error {
+	closeFDs(c.fdq)
+	c.fdq = c.fdq[:0]
+	if err == io.EOF {
+		// A clean end, even if sending failed first: the peer said
+		// goodbye and left while we were still writing to it.
+		c.rerr = io.EOF
+		c.fail(fmt.Errorf("transport: %s: %w", c.desc, ErrClosed), false)
+		return err
+	}
+	var remote *RemoteError
+	if errors.As(err, &remote) {
+		// What the peer said is the cause, whatever failed on this side
+		// meanwhile or just before (a write into the connection it closed
+		// after saying it): that failure is only its echo. Reading the
+		// message and the write failing race when a stopped process
+		// resumes with both pending.
+		err = fmt.Errorf("transport: receive from %s: %w", c.desc, err)
+		c.rerr = err
+		c.fail(err, false)
+		return err
+	}
+	c.mu.Lock()
+	cur := c.err
+	c.mu.Unlock()
+	if cur != nil {
+		// Failed or closed elsewhere first; that is the cause.
+		c.rerr = cur
+		c.nc.Close()
+		return cur
+	}
+	notify := !errors.Is(err, ErrDisconnected) && !errors.Is(err, ErrClosed)
+	if !errors.Is(err, ErrClosed) {
+		err = fmt.Errorf("transport: receive from %s: %w", c.desc, err)
+	}
+	c.rerr = err
+	return c.fail(err, notify)
+}

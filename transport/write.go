@@ -1,0 +1,288 @@
+//go:build linux
+
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// pendingFDs are descriptors that leave with the queued frame at off.
+type pendingFDs struct {
+	off int
+	fds []int
+}
+
+// writeOp is one write(2), or sendmsg(2) with descriptors in oob, made
+// through the RawConn, built once per Conn like readOp. Without wait it
+// never waits: what does not fit is the writer's. With wait it waits for
+// room in the socket, within the write deadline.
+type writeOp struct {
+	fn    func(fd uintptr) bool
+	p     []byte
+	oob   []byte
+	wait  bool
+	n     int
+	errno unix.Errno
+}
+
+// streamGap is the idle time after a write that tells a lone send,
+// written at once by its sender, from one of a stream, left to the
+// writer goroutine so that it leaves with the next ones in one write.
+// It is well below a round trip between two processes (10 µs and
+// more) and well above the gap between sends in a loop (under 1 µs).
+const streamGap = 3 * time.Microsecond
+
+// lockRoom locks mu once the output queue has room and, for an offer, a
+// credit is left; it waits within ctx.
+func (c *Conn) lockRoom(ctx context.Context, offer bool) error {
+	c.mu.Lock()
+	for {
+		if c.err != nil {
+			err := c.err
+			c.mu.Unlock()
+			return err
+		}
+		if c.saidBye {
+			c.mu.Unlock()
+			return fmt.Errorf("transport: %s: send after goodbye: %w", c.desc, ErrClosed)
+		}
+		if len(c.out) < c.cfg.MaxQueued && (!offer || c.outstanding < c.window) {
+			return nil
+		}
+		ch := c.progressLocked()
+		c.mu.Unlock()
+		select {
+		case <-ch:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+		c.mu.Lock()
+	}
+}
+
+// unlockAndKick accounts for the frames queued from off and unlocks mu,
+// then sees them written. If the socket is idle and has been for a while,
+// it writes them at once on this goroutine, without waiting: a lone send
+// costs one write and no hand-off. Otherwise, or for what the socket would
+// not take, it wakes the writer goroutine, which writes everything queued
+// by then in one go.
+func (c *Conn) unlockAndKick(off int) {
+	c.queued += uint64(len(c.out) - off)
+	if c.writing || len(c.outFDs) > 0 || time.Since(c.lastWrite) < streamGap {
+		c.mu.Unlock()
+		c.kickWriter()
+		return
+	}
+	if c.writeNow() {
+		c.kickWriter()
+	}
+}
+
+func (c *Conn) kickWriter() {
+	select {
+	case c.kick <- struct{}{}:
+	default:
+	}
+}
+
+// writeNow writes what is queued (no descriptors) with one non-blocking
+// write. It is called with mu held and the socket free, and unlocks mu.
+// It reports whether anything is left for the writer.
+func (c *Conn) writeNow() bool {
+	c.writing = true
+	buf := c.out
+	c.out = c.spare[:0]
+	c.mu.Unlock()
+	op := &c.wr
+	op.p, op.oob, op.wait, op.n, op.errno = buf, nil, false, 0, 0
+	err := c.rc.Write(op.fn)
+	op.p = nil
+	n := op.n
+	if err == nil && op.errno != 0 && op.errno != unix.EAGAIN {
+		err = op.errno
+	}
+	c.mu.Lock()
+	c.writing = false
+	c.lastWrite = time.Now()
+	c.written += uint64(n)
+	if n == len(buf) {
+		c.cut = false
+	} else if n > 0 {
+		c.cut = true
+	}
+	if n < len(buf) && err == nil {
+		// The socket is full: the rest goes first, before anything
+		// queued meanwhile.
+		for i := range c.outFDs {
+			c.outFDs[i].off += len(buf) - n
+		}
+		rest := append(buf[:0], buf[n:]...)
+		buf, c.out = c.out, append(rest, c.out...)
+	}
+	c.spare = buf[:0]
+	c.wakeLocked()
+	more := len(c.out) > 0 && c.err == nil
+	c.mu.Unlock()
+	if err != nil {
+		c.writeFailed(writeErr(err))
+		return false
+	}
+	return more
+}
+
+func (c *Conn) progressLocked() chan struct{} {
+	if c.progress == nil {
+		c.progress = make(chan struct{})
+	}
+	return c.progress
+}
+
+func (c *Conn) wakeLocked() {
+	if c.progress != nil {
+		close(c.progress)
+		c.progress = nil
+	}
+}
+
+// writeLoop writes what is queued, all of it in one write where it can.
+func (c *Conn) writeLoop() {
+	defer close(c.writerDone)
+	for {
+		select {
+		case <-c.kick:
+		case <-c.dying:
+			return
+		}
+		for {
+			c.mu.Lock()
+			if c.err != nil || c.writing || len(c.out) == 0 {
+				// Failed, or a sender is writing and will kick again if
+				// it leaves anything, or nothing to do.
+				c.mu.Unlock()
+				break
+			}
+			c.writing = true
+			buf, fds := c.out, c.outFDs
+			c.out, c.outFDs = c.spare[:0], c.spareFDs[:0]
+			c.mu.Unlock()
+			err := c.writeBatch(buf, fds)
+			for i := range fds {
+				closeFDs(fds[i].fds)
+				fds[i] = pendingFDs{}
+			}
+			c.mu.Lock()
+			c.writing = false
+			c.lastWrite = time.Now()
+			c.spare, c.spareFDs = buf[:0], fds[:0]
+			if err == nil {
+				c.written += uint64(len(buf))
+				c.cut = false
+			}
+			c.wakeLocked()
+			c.mu.Unlock()
+			if err != nil {
+				c.writeFailed(err)
+				return
+			}
+		}
+	}
+}
+
+// writeFailed fails the connection for an error writing to the socket.
+func (c *Conn) writeFailed(err error) {
+	err = fmt.Errorf("transport: send to %s: %w", c.desc, err)
+	if errors.Is(err, ErrDisconnected) {
+		// The peer is gone, but what it sent before it went, a goodbye
+		// say, is still to be read: leave the socket to Recv and Close.
+		c.setFailure(err)
+		return
+	}
+	c.fail(err, false)
+}
+
+// writeBatch writes buf, sending each set of descriptors with the first
+// byte of its frame.
+//
+// The write timeout measures a peer that stops reading, and nothing else:
+// it is armed only once the socket is full, renewed whenever bytes leave,
+// and cleared at the end. A deadline left behind would fail a later write
+// on a healthy connection (RawConn.Write checks it before writing), and
+// one deadline for the whole batch would fail a peer that reads slowly but
+// steadily.
+func (c *Conn) writeBatch(buf []byte, fds []pendingFDs) error {
+	armed := false
+	err := c.writeFrames(buf, fds, &armed)
+	if armed {
+		if cerr := c.nc.SetWriteDeadline(time.Time{}); err == nil {
+			err = cerr
+		}
+	}
+	return err
+}
+
+func (c *Conn) writeFrames(buf []byte, fds []pendingFDs, armed *bool) error {
+	off := 0
+	for i, p := range fds {
+		if err := c.writeAll(buf[off:p.off], nil, armed); err != nil {
+			return err
+		}
+		end := len(buf)
+		if i+1 < len(fds) {
+			end = fds[i+1].off
+		}
+		if err := c.writeAll(buf[p.off:end], unix.UnixRights(p.fds...), armed); err != nil {
+			return err
+		}
+		off = end
+	}
+	return c.writeAll(buf[off:], nil, armed)
+}
+
+// writeAll writes b, with the descriptors in oob (if any) attached to its
+// first byte, waiting while the socket is full; see writeBatch for the
+// deadline.
+func (c *Conn) writeAll(b, oob []byte, armed *bool) error {
+	op := &c.wr
+	for len(b) > 0 {
+		op.p, op.oob, op.wait, op.n, op.errno = b, oob, *armed, 0, 0
+		err := c.rc.Write(op.fn)
+		n, errno := op.n, op.errno
+		op.p, op.oob = nil, nil
+		switch {
+		case err != nil:
+			return writeErr(err)
+		case errno == unix.EAGAIN: // nothing fit
+		case errno != 0:
+			return writeErr(errno)
+		default:
+			b = b[n:]
+			oob = nil // the descriptors left with the first byte
+		}
+		if len(b) > 0 {
+			// The socket is full: the peer has this long to take more.
+			if err := c.nc.SetWriteDeadline(time.Now().Add(c.cfg.WriteTimeout)); err != nil {
+				return writeErr(err)
+			}
+			*armed = true
+		}
+	}
+	return nil
+}
+
+func writeErr(err error) error {
+	switch {
+	case err == nil:
+		return nil
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return fmt.Errorf("%w: %w", ErrWriteTimeout, err)
+	case errors.Is(err, unix.EPIPE), errors.Is(err, unix.ECONNRESET):
+		return fmt.Errorf("%w: %w", ErrDisconnected, err)
+	}
+	return err
+}
