@@ -39,14 +39,20 @@ func (p *RegistryProbe) Release() error { return p.r.release(p.e) }
 // consumer that Offer would pick next and lends b to it as Offer does: the
 // race of a consumer's connection closing under a send, made certain (the
 // lock held from the pick to the send keeps the consumer's receive loop
-// from dropping it first).
-func LendToClosedConsumer(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions) (lent bool, err error) {
+// from dropping it first). With why, the connection fails with it instead,
+// as when the exporter drops the consumer (kick) while an offer to it is
+// being sent: the send then returns why.
+func LendToClosedConsumer(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, why error) (lent bool, err error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	c := e.pickLocked()
 	if c == nil {
 		return false, errors.New("no consumer to lend to")
 	}
-	c.conn.Close()
+	if why != nil {
+		c.conn.CloseWithError(why)
+	} else {
+		c.conn.Close()
+	}
 	return e.lendLocked(ctx, c, b, &opts, true)
 }

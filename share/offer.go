@@ -90,9 +90,17 @@ func (e *Exporter) lendLocked(ctx context.Context, c *consumer, b *Buffer, opts 
 	switch {
 	case err == nil:
 		return true, nil
-	case ctx.Err() != nil || !onConn || !connectionFailed(err):
+	case ctx.Err() != nil || !onConn:
+		return false, err
+	case !connectionFailed(err) && c.conn.Err() == nil:
+		// This offer could not be sent (an invalid one), and the
+		// connection goes on: the caller's error.
 		return false, err
 	}
+	// The connection failed under the send, whatever the error says: the
+	// consumer went away, or the exporter dropped it meanwhile (a lease
+	// held too long, a protocol error: the send then returns that reason).
+	// One consumer's end never fails the producer's Offer: pick another.
 	e.deactivateLocked(c)
 	return false, nil
 }

@@ -5,6 +5,7 @@ package share_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"strconv"
 	"strings"
 	"syscall"
@@ -14,6 +15,7 @@ import (
 	"github.com/seed743c36cf/cudashare/driver"
 	"github.com/seed743c36cf/cudashare/internal/sharetest"
 	"github.com/seed743c36cf/cudashare/share"
+	"github.com/seed743c36cf/cudashare/transport"
 )
 
 // These tests prove the exporter's policy towards consumers that are slow,
@@ -535,6 +537,22 @@ func TestOfferRefusesReturnedRingBuffer(t *testing.T) {
 // send's error classified by its value alone, the exporter's caller would
 // see "closed" from an exporter that is open.
 func TestOfferPassesOverAClosedConnection(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		why  error
+	}{
+		{"closed", nil},
+		// The exporter drops the consumer (its lease deadline, a protocol
+		// error) while an offer to it is being sent: the send returns the
+		// drop's reason, which is no error of the producer's.
+		{"dropped", fmt.Errorf("%w: consumer held lease 7 longer than 1s", transport.ErrTimeout)},
+		{"broke the protocol", fmt.Errorf("%w: release of a seq it does not hold", transport.ErrUnexpectedMessage)},
+	} {
+		t.Run(tc.name, func(t *testing.T) { testOfferPassesOver(t, tc.why) })
+	}
+}
+
+func testOfferPassesOver(t *testing.T, why error) {
 	env := sharetest.Setup(t)
 	e := newExporter(t, env)
 	ctx := sharetest.Ctx(t)
@@ -557,12 +575,20 @@ func TestOfferPassesOverAClosedConnection(t *testing.T) {
 	if err := env.Ctx.Synchronize(); err != nil {
 		t.Fatal(err)
 	}
+	// An offer that cannot be sent (its meta is over the limit) is the
+	// caller's error, and the consumers stay.
+	if err := e.Offer(ctx, b, share.OfferOptions{Meta: make([]byte, transport.MaxMetaSize+1)}); err == nil {
+		t.Fatal("Offer with meta over the limit succeeded")
+	}
+	if s := e.Stats(); s.Consumers != 2 {
+		t.Fatalf("after an invalid offer: %d consumers, want 2 (the connection is fine)", s.Consumers)
+	}
 	opts := share.OfferOptions{Meta: sharetest.Meta(0)}
-	if lent, err := share.LendToClosedConsumer(ctx, e, b, opts); lent || err != nil {
-		t.Fatalf("lend to a consumer whose connection closed under the send = %v, %v; want false, nil", lent, err)
+	if lent, err := share.LendToClosedConsumer(ctx, e, b, opts, why); lent || err != nil {
+		t.Fatalf("lend to a consumer whose connection failed under the send (%v) = %v, %v; want false, nil", why, lent, err)
 	}
 	if err := e.Offer(ctx, b, opts); err != nil {
-		t.Fatalf("Offer after a consumer's connection closed: %v", err)
+		t.Fatalf("Offer after a consumer's connection failed: %v", err)
 	}
 	if s := e.Stats(); s.Offers != 1 || s.Consumers != 1 {
 		t.Errorf("exporter stats %+v, want 1 offer and 1 consumer left", s)

@@ -160,6 +160,16 @@ func (c *Conn) Credits() uint64 {
 	return c.window - c.outstanding
 }
 
+// Err returns why the connection failed or was closed (the error every
+// later call returns), or nil while it works. A send that fails while Err
+// is nil failed for a reason of its own (an invalid message, ctx), and the
+// connection goes on; once Err is not nil, nothing more will be sent on it.
+func (c *Conn) Err() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.err
+}
+
 // Shutdown says goodbye with reason, waits within ctx until everything
 // queued has been written, and closes the connection. The peer receives
 // every message sent before Shutdown, then the goodbye.
