@@ -5,9 +5,10 @@ every timeout the producer has, with short timeouts (-lease-timeout 1s,
 
 Covered: a slow consumer (every lease held less than the lease timeout,
 over a run several times longer); a consumer that holds one lease past it
-(dropped with error 11, and only it); a producer stopped while the
-consumer waits; an idle consumer; a lease held through the producer's
-shutdown retire.
+(dropped with error 11, and only it); a consumer stopped (SIGSTOP) past
+the lease timeout and resumed; a producer stopped while the consumer
+waits; an idle consumer; a lease held through the producer's shutdown
+retire.
 
 -write-timeout 1s is set, but no test here makes it fire: the example
 producer lends at most its ring (8 buffers) at once, so its messages
@@ -254,6 +255,47 @@ def test_lease_held_past_timeout_drops_only_that_consumer(go_producer, gobin, pr
     assert 0 <= rep["offers"] - (grep["handoffs"] + others + 1) <= 1, (grep, others, rep)
 
 
+def test_stopped_consumer_is_dropped_and_says_so(go_producer, procs):
+    """A `python -m cudashare consume` process SIGSTOPped until the producer
+    drops it (past the 1 s lease and write timeouts), then SIGCONTed: it
+    reports the drop (end "dropped", error 11) and exits 1; the producer
+    went on serving the other consumer and exits 0."""
+    p = watched(go_producer("-size", "64KiB", "-consumers", "2", "-report-every", "100ms", *SHORT))
+    cli = start_py_cli(p, "--verify", "full", "--credits", "2", "--workers", "1")
+    procs(cli)
+    other = cudashare.connect(p.path, backend="sim", credits=2, wait=5)
+    served = []
+    failed = []
+
+    def run_other():
+        try:
+            served.append(other.run(lambda l: None, workers=1))
+        except BaseException as e:
+            failed.append(e)
+    t = threading.Thread(target=run_other, daemon=True)
+    t.start()
+    try:
+        p.progress(lambda d: d["consumers"] == 2 and d["offers"] >= 20, "with both consumers served")
+        cli.signal(signal.SIGSTOP)
+        await_stopped(cli.p.pid)
+        dropped = p.progress(lambda d: d["consumers_dropped"] == 1, "with the stopped consumer dropped")
+        p.progress(lambda d: d["offers"] >= dropped["offers"] + 30, "with 30 more offers (to the other consumer)")
+        cli.signal(signal.SIGCONT)
+        crep, ccode = cli.wait()
+        p.signal(signal.SIGINT)
+        t.join(HANG)
+        assert not t.is_alive() and not failed, failed
+    finally:
+        other.close()
+    rep, code = p.wait()
+    assert ccode == 1, (crep, cli.stderr)
+    assert crep["end"] == "dropped" and "error 11 (timeout)" in crep["error"] and "lease" in crep["error"], crep
+    assert "dropped" in cli.stderr or "error 11" in cli.stderr, cli.stderr
+    assert code == 0, p.stderr
+    assert rep["consumers_dropped"] == 1 and rep["allocations_left"] == 0, rep
+    assert served and served[0] >= 30, served
+
+
 def stopped(pid):
     """Whether the process is stopped (SIGSTOP took effect)."""
     with open("/proc/%d/stat" % pid) as f:
@@ -378,5 +420,41 @@ def test_lease_held_through_shutdown_retire(go_producer):
     assert st["closed"] == st["retired"] == len(allocs), st
     assert rep["releases"] == 3 and rep["consumers_dropped"] == 0, rep
     assert rep["allocations_left"] == 0 and rep["leases_left"] == 0, rep
+
+
+def test_error_read_after_a_failed_release_is_the_cause(fake):
+    """What test_stopped_consumer_is_dropped_and_says_so runs into at
+    random, made deterministic: a consumer resumes with the producer's
+    error (and its close) unread and a release to write. The write fails
+    (EPIPE) before the reader reads the error; the error is still the
+    cause (remote, code 11), not ProducerGone: the failed write is only its
+    echo (PROTOCOL.md section 7; the Go transport's recvFailed does the
+    same). The reader is held off (white-box: its socket token), as the
+    stopped process's was."""
+    f = fake()
+    t = f.serve()
+    c = cudashare.connect(f.path, backend="sim", credits=1, wait=5)
+    t.join(5)
+    try:
+        f.offer(1, size=4096)
+        l = c.next(timeout=5)
+        # The background reader yields the socket to a next() that ran
+        # lately and takes it back when none did: "lately" is made to last
+        # (it gives the socket token back within one poll), and the token
+        # held, so that nothing reads.
+        c._user_t = time.monotonic() + 3600
+        assert c._rtok.acquire(timeout=HANG)
+        try:
+            f.send([9, 11, "it held a lease (allocation 1) longer than the producer's lease timeout"])
+            f.conn.close()
+            l.release()  # credits 1: written at once, into a closed connection
+        finally:
+            c._rtok.release()
+            c._user_t = 0.0
+        with pytest.raises(cudashare.ProtocolError) as ei:
+            c.next(timeout=HANG)
+        assert ei.value.remote and ei.value.code == cudashare.errors.TIMEOUT and "lease" in str(ei.value), ei.value
+    finally:
+        c.close(timeout=0.5)
 
 
