@@ -350,6 +350,13 @@ class Consumer:
         with self._lock:
             if self._end is None:
                 self._end = err
+                if not isinstance(err, Closed):
+                    # next() hands out nothing queued after such an end:
+                    # those offers are void with the connection, not
+                    # leases the application leaked.
+                    for l in self._queue:
+                        l.released = True
+                    self._queue.clear()
             self._wake()
 
     def _wake(self):

@@ -6,14 +6,17 @@ every timeout the producer has, with short timeouts (-lease-timeout 1s,
 Covered: a slow consumer (every lease held less than the lease timeout,
 over a run several times longer); a consumer that holds one lease past it
 (dropped with error 11, and only it); a consumer stopped (SIGSTOP) past
-the lease timeout and resumed; a producer stopped while the consumer
-waits; an idle consumer; a lease held through the producer's shutdown
-retire.
+the lease timeout, and one past the write timeout, then resumed; a
+producer stopped while the consumer waits; an idle consumer; a lease held
+through the producer's shutdown retire.
 
--write-timeout 1s is set, but no test here makes it fire: the example
-producer lends at most its ring (8 buffers) at once, so its messages
-never fill a consumer's socket. The producer's frame timeout has no flag
-(10 s); it only times half frames, never an idle connection.
+The write timeout fires only where the producer's messages fill the
+socket: the example producer lends at most its ring at once (8 buffers by
+default), so only the test that stops a consumer holding a ring of 4096
+small buffers (and turns the lease timeout off) reaches it; elsewhere a
+stopped consumer is dropped by the lease timeout. The producer's frame
+timeout has no flag (10 s); it only times half frames, never an idle
+connection.
 
 Nothing here is timed as a pass criterion. Waits are for events (the
 producer's -report-every progress lines, the consumer's own state), each
@@ -21,6 +24,7 @@ under a generous hang guard; the only sleeps are the behaviour under test
 (a slow consumer's work, an idle or holding period).
 """
 
+import gc
 import json
 import os
 import signal
@@ -28,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import pytest
 
@@ -291,9 +296,44 @@ def test_stopped_consumer_is_dropped_and_says_so(go_producer, procs):
     assert ccode == 1, (crep, cli.stderr)
     assert crep["end"] == "dropped" and "error 11 (timeout)" in crep["error"] and "lease" in crep["error"], crep
     assert "dropped" in cli.stderr or "error 11" in cli.stderr, cli.stderr
+    assert "garbage-collected" not in cli.stderr, cli.stderr  # it released every lease it was handed
     assert code == 0, p.stderr
     assert rep["consumers_dropped"] == 1 and rep["allocations_left"] == 0, rep
     assert served and served[0] >= 30, served
+
+
+def test_consumer_stopped_past_write_timeout(go_producer, procs):
+    """The write timeout, alone (-lease-timeout -1ns: none): a consumer
+    that takes everything (credits above a ring of 4096 small buffers) is
+    SIGSTOPped; the producer's offers fill its socket, and 1 s later the
+    producer drops it. It goes on serving: a consumer that comes next gets
+    its batches, right, and the producer exits 0 with nothing left
+    allocated. The resumed consumer cannot be told why (the producer's
+    error cannot get into a full socket): it reports the connection gone
+    and exits nonzero."""
+    p = watched(go_producer("-ring", "4096", "-size", "4KiB", "-lease-timeout", "-1ns", "-write-timeout", "1s",
+                            "-report-every", "100ms"))
+    cli = start_py_cli(p, "--verify", "none", "--credits", "8192", "--workers", "1")
+    procs(cli)
+    p.progress(lambda d: d["consumers"] == 1 and d["offers"] >= 1000, "with the consumer served")
+    cli.signal(signal.SIGSTOP)
+    await_stopped(cli.p.pid)
+    p.progress(lambda d: d["consumers"] == 0, "with the stopped consumer dropped", start=p.mark())
+    with cudashare.connect(p.path, backend="sim", credits=4, wait=5) as c:
+        for _ in range(50):
+            with c.next(timeout=HANG) as l:
+                assert bytes(l.host()) == bytes([pattern(l.meta["batch"])]) * l.size
+    cli.signal(signal.SIGCONT)
+    crep, ccode = cli.wait()
+    p.signal(signal.SIGINT)
+    rep, code = p.wait()
+    assert code == 0, p.stderr
+    assert rep["allocations_left"] == 0 and rep["leases_left"] == 0, rep
+    # The report's doc counts a consumer dropped for messages unread past
+    # -write-timeout in consumers_dropped; this producer counts it lost.
+    assert rep["consumers_dropped"] + rep["consumers_lost"] == 1, rep
+    assert ccode != 0 and crep["end"] in ("dropped", "producer vanished"), (crep, cli.stderr)
+    assert "garbage-collected" not in cli.stderr, cli.stderr
 
 
 def stopped(pid):
@@ -458,3 +498,33 @@ def test_error_read_after_a_failed_release_is_the_cause(fake):
         c.close(timeout=0.5)
 
 
+def test_leases_queued_when_dropped_are_void_not_leaked(fake):
+    """What the resumed consumer of test_stopped_consumer_is_dropped_and_says_so
+    printed: offers queued when the producer's error came were never handed
+    to the application, so they are void with the connection, not leases
+    it leaked (no "garbage-collected without release" warning, which also
+    counts them leaked), whether or not the application calls close()."""
+    for close in (True, False):
+        f = fake()
+        t = f.serve()
+        c = cudashare.connect(f.path, backend="sim", credits=4, wait=5)
+        t.join(5)
+        f.offer(1, size=4096)
+        l = c.next(timeout=5)
+        f.offer(2, size=4096)
+        f.offer(3, size=4096)
+        f.send([9, 11, "it held a lease (allocation 1) longer than the producer's lease timeout"])
+        with pytest.raises(cudashare.ProtocolError):
+            c.next(timeout=HANG)
+        l.release()
+        st = c.stats()
+        assert st["offers"] == 3 and st["handoffs"] == 1, st
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            if close:
+                c.close(timeout=0.5)
+            else:
+                c._reader.join(HANG)  # ended with the connection; until then it refers to c
+            del c, l  # without close(), the garbage collector closes it
+            gc.collect()
+        assert not [x for x in w if "garbage-collected" in str(x.message)], [str(x.message) for x in w]
