@@ -350,6 +350,13 @@ class Consumer:
         with self._lock:
             if self._end is None:
                 self._end = err
+                if not isinstance(err, Closed):
+                    # next() hands out nothing queued after such an end:
+                    # those offers are void with the connection, not
+                    # leases the application leaked.
+                    for l in self._queue:
+                        l.released = True
+                    self._queue.clear()
             self._wake()
 
     def _wake(self):
@@ -514,8 +521,24 @@ class Consumer:
                 self._sock.sendall(frames)
             return True
         except OSError as e:
-            if not (self._bye_received or self._bye_sent):
+            if not (self._bye_received or self._bye_sent) and not self._peer_closed_with_more(e):
                 self._finish(ProducerGone("write to %s failed: %s" % (self.path, e)))
+            return False
+
+    def _peer_closed_with_more(self, e):
+        """Whether a write failed because the producer closed, with what
+        it sent before still to read. The reader then reads it (an error
+        that says why the producer dropped this consumer, PROTOCOL.md §7)
+        and end of stream, and ends the connection with that cause: the
+        failed write is only its echo. They race when a stopped consumer
+        resumes with both pending (the Go transport's recvFailed)."""
+        if not isinstance(e, (BrokenPipeError, ConnectionResetError)):
+            return False
+        p = select.poll()  # not _poller: the reader may be polling it
+        p.register(self._sock.fileno(), select.POLLIN)
+        try:
+            return bool(p.poll(0))
+        except OSError:
             return False
 
     # --- releases ---
