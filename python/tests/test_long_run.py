@@ -217,13 +217,13 @@ def test_lease_held_past_timeout_drops_only_that_consumer(go_producer, gobin, pr
     left; the Go consumer beside it keeps being served and ends with the
     producer's goodbye.
 
-    Credits 1, so that no offer to it can be in flight when it is dropped:
-    with a second credit, taking and releasing other batches meanwhile,
-    the example producer itself failed once in some 60 runs (the machine
-    loaded), "producer: offer batch 7094: transport: timeout: it held a
-    lease ...": share.Exporter.Offer returned the drop's reason from the
-    connection it was sending on, which share's connectionFailed does not
-    count as a failed connection (Go side, left to it)."""
+    Credits 1, so that no offer to it is in flight when it is dropped. With
+    a second credit, taking and releasing other batches meanwhile, the
+    example producer itself once failed here ("producer: offer batch 7094:
+    transport: timeout: it held a lease ..."): Offer returned the drop's
+    reason from the connection it was sending on. That is fixed in share
+    (an offer whose connection fails under it re-picks) and tested there,
+    deterministically, by TestOfferPassesOverAClosedConnection/dropped."""
     p = watched(go_producer("-size", "64KiB", "-consumers", "2", "-report-every", "100ms", *SHORT))
     g = start_go_consumer(gobin, p, "-verify", "every")
     procs(g)
