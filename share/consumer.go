@@ -425,6 +425,12 @@ func (e *Exporter) onGone(c *consumer, err error) {
 	clean := c.saidBye || c.sentBye
 	if !clean && e.life.Err() == nil {
 		e.stats.ConsumersLost++
+		if !c.kicked && droppedByTransport(err) {
+			// This side's transport ended it for cause, and told it why:
+			// a drop, as a kick is.
+			e.stats.ConsumersDropped++
+			e.log.Warn("share: dropping consumer", "peer", c.peer.String(), "why", err)
+		}
 	}
 	if e.life.Err() != nil {
 		return // Close deals with what is left
@@ -446,6 +452,24 @@ func (e *Exporter) onGone(c *consumer, err error) {
 		e.log.Warn("share: consumer lost without a goodbye; its leases and mappings end when its process exits",
 			"peer", c.peer.String(), "err", err, "allocations", len(c.allocs), "leases", c.out)
 	}
+}
+
+// droppedByTransport reports whether err, what ended a consumer's
+// connection, is this side's transport dropping the consumer for cause:
+// messages left unread past the write timeout, half a frame held past the
+// frame timeout, or a frame that breaks the protocol. Not an error the
+// consumer sent (ErrRemote), nor its going away.
+func droppedByTransport(err error) bool {
+	if err == nil || errors.Is(err, transport.ErrRemote) {
+		return false
+	}
+	for _, cause := range [...]error{transport.ErrWriteTimeout, transport.ErrTimeout, transport.ErrMalformed,
+		transport.ErrFrameTooLarge, transport.ErrUnknownMessage, transport.ErrUnexpectedMessage, transport.ErrCredit} {
+		if errors.Is(err, cause) {
+			return true
+		}
+	}
+	return false
 }
 
 // holdersGoneLocked reports whether every process known to have held c's

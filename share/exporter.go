@@ -50,7 +50,7 @@ const DefaultLeaseTimeout = 60 * time.Second
 // ExporterStats are an exporter's counters.
 type ExporterStats struct {
 	Consumers     int    // connected and taking offers now
-	ConsumersLost uint64 // consumers that went away without a goodbye
+	ConsumersLost uint64 // consumers whose connection ended without a goodbye (those dropped included)
 	Offers        uint64 // offers sent, one per consumer reached
 	Releases      uint64 // leases ended: released, or dropped with their consumer
 	// OrderedReleases counts releases that were stream-ordered: the
@@ -61,8 +61,9 @@ type ExporterStats struct {
 	Retired         uint64 // allocations retired (and freed, if the exporter allocated them)
 	Allocations     int    // allocations known now: registered, rings and arenas
 	// ConsumersDropped counts consumers the producer dropped: a protocol
-	// violation, a lease held past LeaseTimeout, or messages left unread
-	// past WriteTimeout.
+	// violation (seen by share or by the transport), a lease held past
+	// LeaseTimeout, half a frame held past the frame timeout, or messages
+	// left unread past WriteTimeout.
 	ConsumersDropped uint64
 	// BroadcastMissed counts consumers a Broadcast skipped because their
 	// backlog was full (see Broadcast).
