@@ -266,7 +266,10 @@ func (c *consumer) recvLoop() {
 // as for any consumer lost without a goodbye.
 func (e *Exporter) kick(c *consumer, why error) {
 	e.mu.Lock()
-	first := !c.kicked
+	// An ended connection needs no kick: it was lost, or dropped by the
+	// transport, and counted then (onGone), between the caller's pick
+	// (the lease janitor's, Shutdown's) and this.
+	first := !c.kicked && !c.ended
 	if first {
 		c.kicked = true
 		e.stats.ConsumersDropped++
@@ -464,7 +467,8 @@ func droppedByTransport(err error) bool {
 		return false
 	}
 	for _, cause := range [...]error{transport.ErrWriteTimeout, transport.ErrTimeout, transport.ErrMalformed,
-		transport.ErrFrameTooLarge, transport.ErrUnknownMessage, transport.ErrUnexpectedMessage, transport.ErrCredit} {
+		transport.ErrFrameTooLarge, transport.ErrUnknownMessage, transport.ErrUnexpectedMessage, transport.ErrCredit,
+		transport.ErrNotSupported} {
 		if errors.Is(err, cause) {
 			return true
 		}

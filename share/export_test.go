@@ -5,6 +5,7 @@ package share
 import (
 	"context"
 	"errors"
+	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
 	"github.com/seed743c36cf/cudashare/transport"
@@ -55,4 +56,37 @@ func LendToClosedConsumer(ctx context.Context, e *Exporter, b *Buffer, opts Offe
 		c.conn.Close()
 	}
 	return e.lendLocked(ctx, c, b, &opts, true)
+}
+
+// TransportDropThenKick replays the lease janitor's (and Shutdown's)
+// interleaving with a transport drop: a consumer picked under mu, neither
+// ended nor kicked; mu unlocked; meanwhile the transport fails its
+// connection for cause (transportWhy, as its writer does on a write
+// timeout) and the receive loop ends it (onGone); then the kick (kickWhy).
+func TransportDropThenKick(e *Exporter, transportWhy, kickWhy error) bool {
+	e.mu.Lock()
+	var c *consumer
+	for cc := range e.conns {
+		if !cc.ended && !cc.kicked {
+			c = cc
+			break
+		}
+	}
+	e.mu.Unlock()
+	if c == nil {
+		return false
+	}
+	c.conn.CloseWithError(transportWhy)
+	<-c.done
+	for { // onGone runs after close(c.done)
+		e.mu.Lock()
+		ended := c.ended
+		e.mu.Unlock()
+		if ended {
+			break
+		}
+		time.Sleep(time.Millisecond)
+	}
+	e.kick(c, kickWhy)
+	return true
 }

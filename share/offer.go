@@ -90,11 +90,16 @@ func (e *Exporter) lendLocked(ctx context.Context, c *consumer, b *Buffer, opts 
 	switch {
 	case err == nil:
 		return true, nil
-	case ctx.Err() != nil || !onConn:
+	case !onConn:
 		return false, err
-	case !connectionFailed(err) && c.conn.Err() == nil:
-		// This offer could not be sent (an invalid one), and the
-		// connection goes on: the caller's error.
+	case ctx.Err() != nil:
+		// The caller's context ended: that, not what the connection
+		// did meanwhile, is why this Offer ends.
+		return false, ctx.Err()
+	case !connectionFailed(err) && !errors.Is(err, c.conn.Err()):
+		// This offer could not be sent (an invalid one): the caller's
+		// error, even if the connection also fails meanwhile. (A send
+		// that waited on a failed connection returns its failure.)
 		return false, err
 	}
 	// The connection failed under the send, whatever the error says: the

@@ -595,3 +595,50 @@ func testOfferPassesOver(t *testing.T, why error) {
 	}
 	shutdown(t, e)
 }
+
+// TestDropCountedOnce: a consumer the transport drops (a write timeout)
+// between the lease janitor's pick and its kick is one drop, not two.
+func TestDropCountedOnce(t *testing.T) {
+	env := sharetest.Setup(t)
+	e := newExporter(t, env)
+	ctx := sharetest.Ctx(t)
+	startConsumer(t, e)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	if !share.TransportDropThenKick(e,
+		fmt.Errorf("transport: send to consumer: %w", transport.ErrWriteTimeout),
+		fmt.Errorf("%w: it held a lease longer than the lease timeout", transport.ErrTimeout)) {
+		t.Fatal("no consumer")
+	}
+	if s := e.Stats(); s.ConsumersDropped != 1 || s.ConsumersLost != 1 {
+		t.Errorf("one consumer dropped: %d dropped, %d lost; want 1 and 1", s.ConsumersDropped, s.ConsumersLost)
+	}
+	shutdown(t, e)
+}
+
+// TestInvalidOfferOnFailedConnection: an offer invalid in itself (meta
+// over the limit) to a consumer whose connection fails meanwhile is still
+// the caller's error, not a consumer to pass over.
+func TestInvalidOfferOnFailedConnection(t *testing.T) {
+	env := sharetest.Setup(t)
+	e := newExporter(t, env)
+	ctx := sharetest.Ctx(t)
+	startConsumer(t, e)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(1, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := r.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opts := share.OfferOptions{Meta: make([]byte, transport.MaxMetaSize+1)}
+	if lent, err := share.LendToClosedConsumer(ctx, e, b, opts, nil); lent || err == nil {
+		t.Errorf("an invalid offer to a consumer whose connection failed = %v, %v; want false and the offer's error", lent, err)
+	}
+	shutdown(t, e)
+}
