@@ -17,8 +17,9 @@ release (lease.release(stream=...)): no host sync per batch.
 
 Prints one JSON line with the keys of the Go consumer's report
 (handoffs_per_s, p50_us, p99_us, verified, verify_errors, driver, ...).
-Exit 0 ok, 1 wrong data or failure, 3 skipped (no torch, no GPU for torch,
-no CUDA backend; the line says why), 4 no producer.
+Exit 0 ok, 1 wrong data or failure (cudashare's CUDA backend failing where
+torch sees a GPU included), 3 skipped (no torch, no GPU for torch; the line
+says why), 4 no producer.
 """
 
 import argparse
@@ -87,8 +88,10 @@ def main():
         rep.update(error="no producer at %s: %s" % (a.socket, e), exit=4)
         return out(rep, 4)
     except cudashare.NotSupported as e:
-        rep["skipped"] = "no CUDA backend for the Python consumer: %s" % e
-        return out(rep, 3)
+        # torch saw a GPU: cudashare's own CUDA backend failing there is a
+        # failure, not a skip.
+        rep.update(error="the Python consumer's CUDA backend: %s" % e, exit=1)
+        return out(rep, 1)
     rep["driver"] = c.backend
     end = "producer said goodbye"
     try:

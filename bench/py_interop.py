@@ -510,6 +510,11 @@ def main():
         rep.update(error="no producer at %s: %s" % (a.socket, e), exit=4)
         return out(rep, 4)
     except cudashare.NotSupported as e:
+        if fw.backend == "cuda":
+            # The framework saw a GPU: cudashare's own CUDA backend failing
+            # there is a failure, not a skip.
+            rep.update(error="the Python consumer's CUDA backend: %s" % e, exit=1)
+            return out(rep, 1)
         rep["skipped"] = "no CUDA backend for the Python consumer: %s" % e
         rep["exit"] = 3
         return out(rep, 3)

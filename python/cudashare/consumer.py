@@ -406,7 +406,7 @@ class Consumer:
                     out = self._outstanding
                     a = self._allocs.get(o.alloc_id)
                     if (a is not None and a.mapping.kind == o.handle_kind and len(out) < self._window
-                            and o.seq not in out):
+                            and o.seq not in out and self._end is None):
                         self._check_mapped(o, a, ())
                         o._bind(self, a, ev)
                         a.leases += 1
@@ -421,8 +421,11 @@ class Consumer:
         try:
             if o.nfds:
                 fds = self._rd.take_fds(o.nfds)
-            if self._bye_sent:
-                return  # void: this consumer said goodbye
+            if self._bye_sent or self._ended_badly():
+                # Void: this consumer said goodbye, or the connection ended
+                # (a write failed, in another thread) while the reader read
+                # on: not a lease to hand out, nor one to report leaked.
+                return
             if o.handle_kind not in (wire.HANDLE_CUDA_IPC, wire.HANDLE_POSIX_FD):
                 raise ProtocolError(errors.NOT_SUPPORTED, "offer of handle kind %d, which this consumer does not import" % o.handle_kind)
             with self._lock:
@@ -450,9 +453,11 @@ class Consumer:
                         raise ProtocolError(errors.LIMIT, "more than %d distinct producer events" % MAX_EVENTS)
                     ev = self._backend.open_event(o.event_handle)
                     self._events[o.event_handle] = ev
-            o._bind(self, a, ev)
             with self._lock:
-                self._allocs[o.alloc_id] = a
+                self._allocs[o.alloc_id] = a  # so that the end closes its mapping
+                if self._ended_badly():
+                    return  # void: the connection ended meanwhile
+                o._bind(self, a, ev)
                 a.leases += 1
                 self._outstanding[o.seq] = weakref.ref(o)
                 self._queue.append(o)
@@ -466,6 +471,12 @@ class Consumer:
                     os.close(fd)
                 except OSError:
                     pass
+
+    def _ended_badly(self):
+        """Whether the connection ended other than by a goodbye: what
+        arrives after that is void."""
+        end = self._end
+        return end is not None and not isinstance(end, Closed)
 
     @staticmethod
     def _check_mapped(o, a, fds):
@@ -526,19 +537,22 @@ class Consumer:
             return False
 
     def _peer_closed_with_more(self, e):
-        """Whether a write failed because the producer closed, with what
-        it sent before still to read. The reader then reads it (an error
-        that says why the producer dropped this consumer, PROTOCOL.md §7)
-        and end of stream, and ends the connection with that cause: the
+        """Whether a write failed because the producer closed its end
+        (EPIPE, ECONNRESET) and the socket still reads: what the producer
+        sent before closing (an error that says why it dropped this
+        consumer, PROTOCOL.md §7), or at least the end of stream. The
+        reader then reads it and ends the connection with that cause; the
         failed write is only its echo. They race when a stopped consumer
-        resumes with both pending (the Go transport's recvFailed)."""
+        resumes with both pending (the Go transport's recvFailed). A
+        closed peer nearly always reads (end of stream counts), so this
+        mostly says: let the reader, which runs until the end, decide."""
         if not isinstance(e, (BrokenPipeError, ConnectionResetError)):
             return False
         p = select.poll()  # not _poller: the reader may be polling it
-        p.register(self._sock.fileno(), select.POLLIN)
         try:
+            p.register(self._sock.fileno(), select.POLLIN)
             return bool(p.poll(0))
-        except OSError:
+        except (OSError, ValueError):
             return False
 
     # --- releases ---

@@ -187,5 +187,6 @@ class Lease(wire.Offer):
             pass
 
     def __repr__(self):
-        return "<cudashare.Lease seq=%d alloc=%d size=%d%s>" % (
-            self.seq, self.alloc_id, self.size, " released" if self.released else "")
+        return "<cudashare.Lease seq=%s alloc=%s size=%s%s>" % (
+            getattr(self, "seq", "?"), getattr(self, "alloc_id", "?"), getattr(self, "size", "?"),
+            " released" if getattr(self, "released", True) else "")

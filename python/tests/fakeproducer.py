@@ -24,6 +24,16 @@ def frame(msg):
     return struct.pack(">I", len(body)) + body
 
 
+def offer_msg(seq, alloc_id=1, size=4096, alloc_size=1 << 21, offset=0, kind=None, nfds=0, meta=None,
+              handle=None, event=None):
+    """An offer message (PROTOCOL.md section 4) of a simulator-layout allocation."""
+    msg = [3, seq, alloc_id, 1, handle or alloc_id.to_bytes(8, "little") + bytes(56), alloc_size, offset, size,
+           b"\xaa" * 16, event, meta, nfds]
+    if kind is not None:
+        msg.append(kind)
+    return msg
+
+
 def sim_memfd(size, fill):
     """A memfd laid out as the simulator's VMM allocation, filled with fill."""
     fd = os.memfd_create("cudashare-sim-vmm-test", os.MFD_CLOEXEC)
@@ -95,11 +105,7 @@ class FakeProducer:
 
     def offer(self, seq, alloc_id=1, size=4096, alloc_size=1 << 21, offset=0, kind=None, nfds=0, meta=None,
               handle=None, event=None, fds=()):
-        msg = [3, seq, alloc_id, 1, handle or alloc_id.to_bytes(8, "little") + bytes(56), alloc_size, offset, size,
-               b"\xaa" * 16, event, meta, nfds]
-        if kind is not None:
-            msg.append(kind)
-        self.send(msg, fds)
+        self.send(offer_msg(seq, alloc_id, size, alloc_size, offset, kind, nfds, meta, handle, event), fds)
 
     def close(self):
         for s in (self.conn, self.lsock):

@@ -316,3 +316,40 @@ def test_offer_with_fd_read_with_the_hello_ack(fake):
     assert bytes(l.host()[:4]) == b"\x09" * 4
     l.release()
     c.close(timeout=0.5)
+
+
+def test_offer_after_writer_side_end_is_void(fake):
+    """A write that fails (a write timeout) ends the connection from the
+    writing thread while the reader reads on: an offer read after that is
+    void, neither handed out nor reported as a lease the application
+    leaked when it is collected."""
+    import gc
+    import warnings
+    from cudashare.errors import ProducerGone
+    f = fake()
+    t = f.serve()
+    c = cudashare.connect(f.path, backend="sim", credits=4, wait=5)
+    t.join(5)
+    f.offer(1, size=4096)
+    l = c.next(timeout=5)
+    # What _send_quiet_frames does when a write times out.
+    c._finish(ProducerGone("write to %s failed: timed out" % f.path))
+    f.offer(2, size=4096)
+    f.send([8, "bye"])  # a goodbye after it: offer 2 was read once this is
+    deadline = time.monotonic() + 10
+    while not c._bye_received and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        assert c._bye_received, "the reader did not read on"
+        with pytest.raises(ProducerGone):
+            c.next(timeout=1)
+        assert c.stats()["offers"] == 1, c.stats()
+    finally:
+        l.release()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        c.close(timeout=0.5)
+        del c, l
+        gc.collect()
+    leaked = [str(x.message) for x in w if "garbage-collected" in str(x.message)]
+    assert not leaked, leaked
