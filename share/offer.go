@@ -419,7 +419,12 @@ func (e *Exporter) finishLocked(c *consumer, b *Buffer, seq uint64, err error) {
 				s.sent = true
 			}
 		}
-	} else if !c.dropped {
+	} else if c.dropped {
+		// Voided by the drop, and never sent: no offer, so no release.
+		if i := slices.Index(c.voided, seq); i >= 0 {
+			c.voided = slices.Delete(c.voided, i, i+1)
+		}
+	} else {
 		idx := uint32(seq)
 		if s := &c.slots[idx]; s.b == b && s.gen == uint32(seq>>32) {
 			s.b = nil
