@@ -46,7 +46,7 @@ type consumer struct {
 	window, out uint64 // credits granted; offers not released
 	slots       []leaseSlot
 	freeSlots   []uint32
-	voided      []uint64                        // seqs of offers in flight that the drop voided
+	voided      []voidedOffer                   // offers in flight that its loss or drop voided
 	allocs      map[*allocRec]*mapping          // allocations it may map
 	events      map[transport.Handle]*consEvent // its release events, opened once
 	active      bool                            // in the rotation
@@ -103,6 +103,16 @@ type leaseSlot struct {
 	// epoch is the lease clock's reading when the offer was made; the
 	// lease janitor compares it with the clock's.
 	epoch uint64
+}
+
+// voidedOffer is an offer whose lease the consumer's loss or drop voided
+// while it was being sent; finishLocked ends it when the send returns.
+type voidedOffer struct {
+	seq uint64
+	// vmm: a lost consumer's lease of a VMM buffer, not yet ended. The
+	// consumer may read the buffer only if the send delivered the offer:
+	// then finishLocked abandons the buffer; either way it ends the lease.
+	vmm bool
 }
 
 // addOut changes the count of c's outstanding leases, and its process's.
@@ -504,7 +514,7 @@ func (e *Exporter) dropLocked(c *consumer) {
 				e.stats.Releases++
 			} else {
 				// Still being sent: finishLocked counts it.
-				c.voided = append(c.voided, uint64(c.slots[i].gen)<<32|uint64(i))
+				c.voided = append(c.voided, voidedOffer{seq: uint64(c.slots[i].gen)<<32 | uint64(i)})
 			}
 			e.unleaseLocked(b)
 		}

@@ -90,3 +90,38 @@ func TransportDropThenKick(e *Exporter, transportWhy, kickWhy error) bool {
 	e.kick(c, kickWhy)
 	return true
 }
+
+// LendToConsumerLostDuringSend lends b, as Offer does, to the consumer
+// Offer would pick next, and loses that consumer while the offer is being
+// sent: its connection is closed and the exporter has handled the loss
+// (onGone) before the send starts (delivered false: the send then fails)
+// or after it returned (delivered true: the offer went out). It restores
+// the hooks before returning.
+func LendToConsumerLostDuringSend(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool) (lent bool, err error) {
+	lose := func(c *consumer) {
+		c.conn.Close()
+		<-c.done
+		for {
+			e.mu.Lock()
+			ended := c.ended
+			e.mu.Unlock()
+			if ended {
+				return
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	if delivered {
+		testHookAfterSend = lose
+	} else {
+		testHookBeforeSend = lose
+	}
+	defer func() { testHookBeforeSend, testHookAfterSend = nil, nil }()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	c := e.pickLocked()
+	if c == nil {
+		return false, errors.New("no consumer to lend to")
+	}
+	return e.lendLocked(ctx, c, b, &opts, true)
+}

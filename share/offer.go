@@ -84,7 +84,13 @@ func (e *Exporter) lendLocked(ctx context.Context, c *consumer, b *Buffer, opts 
 	seq, gen, m := e.reserveLocked(c, b)
 	ev := b.ev
 	e.mu.Unlock()
+	if testHookBeforeSend != nil {
+		testHookBeforeSend(c)
+	}
 	onConn, err := e.send(ctx, c, b, m, seq, gen, ev, opts, record)
+	if testHookAfterSend != nil {
+		testHookAfterSend(c)
+	}
 	e.mu.Lock()
 	e.finishLocked(c, b, seq, err)
 	switch {
@@ -109,6 +115,10 @@ func (e *Exporter) lendLocked(ctx context.Context, c *consumer, b *Buffer, opts 
 	e.deactivateLocked(c)
 	return false, nil
 }
+
+// Test hooks: run in lendLocked with mu unlocked, around the send, so that
+// a test can lose the consumer there (nil outside tests).
+var testHookBeforeSend, testHookAfterSend func(c *consumer)
 
 // connectionFailed reports whether err, from a consumer's connection,
 // means that the connection failed or was closed (the consumer went away,
@@ -406,25 +416,33 @@ func (e *Exporter) finishLocked(c *consumer, b *Buffer, seq uint64, err error) {
 		if b.ring != nil && b.held {
 			b.offered = true
 		}
-		if i := slices.Index(c.voided, seq); i >= 0 {
-			// The consumer was lost while this offer was being sent, and
-			// the loss voided the lease without counting it: it ends
-			// here. (The consumer may have released it before: then it
-			// was counted then.)
-			c.voided = slices.Delete(c.voided, i, i+1)
+	}
+	if i := slices.IndexFunc(c.voided, func(v voidedOffer) bool { return v.seq == seq }); i >= 0 {
+		// The consumer was lost or dropped while this offer was being
+		// sent, and that voided the lease without ending it: it ends
+		// here. (The consumer may have released it before: then it
+		// ended then.)
+		v := c.voided[i]
+		c.voided = slices.Delete(c.voided, i, i+1)
+		if err == nil {
 			e.stats.Releases++
-		} else if !c.dropped {
+		}
+		if v.vmm {
+			// A lost consumer may read a VMM buffer whose offer reached
+			// it: never written again. One whose send failed it never saw.
+			if err == nil {
+				e.abandonForLocked(c, b)
+			}
+			e.unleaseLocked(b)
+		}
+	} else if err == nil {
+		if !c.dropped {
 			// (A dropped consumer has no slots left: its drop voided this.)
 			if s := &c.slots[uint32(seq)]; s.b == b && s.gen == uint32(seq>>32) {
 				s.sent = true
 			}
 		}
-	} else if c.dropped {
-		// Voided by the drop, and never sent: no offer, so no release.
-		if i := slices.Index(c.voided, seq); i >= 0 {
-			c.voided = slices.Delete(c.voided, i, i+1)
-		}
-	} else {
+	} else if !c.dropped {
 		idx := uint32(seq)
 		if s := &c.slots[idx]; s.b == b && s.gen == uint32(seq>>32) {
 			s.b = nil

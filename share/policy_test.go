@@ -642,3 +642,73 @@ func TestInvalidOfferOnFailedConnection(t *testing.T) {
 	}
 	shutdown(t, e)
 }
+
+// TestConsumerLostDuringSend: a consumer lost while an offer of a VMM ring
+// buffer to it is being sent. If the send fails, the offer never reached
+// it: the buffer is not abandoned (no fresh memory replaces it) and the
+// producer offers it to another consumer. If the offer went out, the lost
+// consumer may read the buffer: it is abandoned and the ring gets fresh
+// memory in its place.
+func TestConsumerLostDuringSend(t *testing.T) {
+	for _, delivered := range []bool{false, true} {
+		t.Run(fmt.Sprintf("delivered=%v", delivered), func(t *testing.T) {
+			env := sharetest.Setup(t)
+			e := newExporter(t, env)
+			ctx := sharetest.Ctx(t)
+			startConsumer(t, e)
+			startConsumer(t, e)
+			if err := e.WaitConsumers(ctx, 2); err != nil {
+				t.Fatal(err)
+			}
+			if sh, why := e.Sharing(); sh != share.SharingVMM {
+				t.Skipf("sharing %v (%s): the case is VMM's", sh, why)
+			}
+			r, err := e.NewRing(1, 4096)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b, err := r.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), 0); err != nil {
+				t.Fatal(err)
+			}
+			if err := env.Ctx.Synchronize(); err != nil {
+				t.Fatal(err)
+			}
+			opts := share.OfferOptions{Meta: sharetest.Meta(0)}
+			lent, err := share.LendToConsumerLostDuringSend(ctx, e, b, opts, delivered)
+			if err != nil || lent != delivered {
+				t.Fatalf("lend to a consumer lost during the send = %v, %v; want %v, nil", lent, err, delivered)
+			}
+			s := e.Stats()
+			if !delivered {
+				if s.Abandoned != 0 || s.Replaced != 0 {
+					t.Fatalf("an offer that never reached the lost consumer abandoned its buffer: %+v", s)
+				}
+				if err := e.Offer(ctx, b, opts); err != nil {
+					t.Fatalf("Offer to the other consumer after the loss: %v", err)
+				}
+				if s := e.Stats(); s.Offers != 1 {
+					t.Errorf("stats %+v, want 1 offer", s)
+				}
+			} else {
+				if s.Abandoned != 1 || s.Replaced != 1 || s.Offers != 1 {
+					t.Fatalf("an offer that reached the lost consumer: stats %+v, want 1 abandoned, 1 replaced, 1 offer", s)
+				}
+				nb, err := r.Acquire(ctx)
+				if err != nil {
+					t.Fatalf("Acquire after the ring's replacement: %v", err)
+				}
+				if nb.AllocID() == b.AllocID() {
+					t.Errorf("the ring handed out the abandoned allocation %d again", b.AllocID())
+				}
+				if err := nb.Free(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			shutdown(t, e)
+		})
+	}
+}

@@ -180,19 +180,17 @@ func (e *Exporter) releaseVMMLocked(c *consumer) {
 		}
 		s.b = nil
 		c.freeSlots = append(c.freeSlots, uint32(i))
-		seq := uint64(s.gen)<<32 | uint64(i)
-		if s.sent {
-			e.stats.Releases++
-		} else {
-			c.voided = append(c.voided, seq) // finishLocked counts it
-		}
 		c.addOut(-1)
-		c.abandoned++
-		if c.proc != nil {
-			c.proc.abandoned++
-		}
 		e.unmapLeaseLocked(c, b)
-		e.abandonLocked(b)
+		if !s.sent {
+			// Still being sent: the consumer may read b only if the send
+			// delivers it, which finishLocked learns (a send that fails
+			// queued nothing, and b stays the producer's to offer).
+			c.voided = append(c.voided, voidedOffer{seq: uint64(s.gen)<<32 | uint64(i), vmm: true})
+			continue
+		}
+		e.stats.Releases++
+		e.abandonForLocked(c, b)
 		e.unleaseLocked(b)
 	}
 	for rec := range c.allocs {
@@ -203,6 +201,17 @@ func (e *Exporter) releaseVMMLocked(c *consumer) {
 	}
 	e.notifyLocked(&e.changed)
 	e.notifyLocked(&e.creditWait)
+}
+
+// abandonForLocked abandons b to the lost consumer c, which may read it,
+// and counts it against c and its process (served last while it lives).
+// mu held.
+func (e *Exporter) abandonForLocked(c *consumer, b *Buffer) {
+	c.abandoned++
+	if c.proc != nil {
+		c.proc.abandoned++
+	}
+	e.abandonLocked(b)
 }
 
 // abandonLocked gives b up for good: a lost consumer may still read it, so
