@@ -452,8 +452,11 @@ func (e *Exporter) onGone(c *consumer, err error) {
 		// What it holds in VMM allocations needs no wait (section 7.1).
 		e.releaseVMMLocked(c)
 	}
+	// An offer of a VMM buffer still being sent may yet abandon a buffer
+	// to it (finishLocked): keep watching it as if it had.
+	mayAbandon := c.abandoned > 0 || slices.ContainsFunc(c.voided, func(v voidedOffer) bool { return v.vmm })
 	switch {
-	case c.abandoned > 0 && !c.unwatchable && !e.holdersGoneLocked(c):
+	case mayAbandon && !c.unwatchable && !e.holdersGoneLocked(c):
 		// It holds nothing now, but its process is served last while it
 		// lives (procWatch.abandoned): keep watching it.
 	case clean || !c.holdsLocked() || e.holdersGoneLocked(c):

@@ -171,12 +171,22 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 	record := true
 	n := 0
 	var deadline time.Time // of the grace, from the first wait
+	// A consumer lost meanwhile may abandon b (its allocation is then
+	// replaced and retired): that ends the broadcast, not as the
+	// producer's error.
+	wasAbandoned := b.abandoned
 	for _, c := range targets {
 		if err := e.lendableLocked(b); err != nil {
+			if b.abandoned && !wasAbandoned {
+				return n, nil
+			}
 			return n, err
 		}
 		take, err := e.roomLocked(ctx, c, b, &deadline)
 		if err != nil {
+			if b.abandoned && !wasAbandoned && ctx.Err() == nil {
+				return n, nil
+			}
 			return n, err
 		}
 		if !take {
@@ -428,12 +438,20 @@ func (e *Exporter) finishLocked(c *consumer, b *Buffer, seq uint64, err error) {
 			e.stats.Releases++
 		}
 		if v.vmm {
-			// A lost consumer may read a VMM buffer whose offer reached
-			// it: never written again. One whose send failed it never saw.
+			// A lost consumer may read a VMM buffer whose offer was
+			// queued to it (it may have left before the connection
+			// closed): never written again. One whose send failed it
+			// never saw.
 			if err == nil {
 				e.abandonForLocked(c, b)
 			}
 			e.unleaseLocked(b)
+			// Kept only because this offer might abandon b to it
+			// (onGone): if it did not, and nothing else holds it, forget it.
+			if err != nil && c.ended && !c.dropped && c.abandoned == 0 && !c.holdsLocked() && e.life.Err() == nil &&
+				!slices.ContainsFunc(c.voided, func(v voidedOffer) bool { return v.vmm }) {
+				e.dropLocked(c)
+			}
 		}
 	} else if err == nil {
 		if !c.dropped {

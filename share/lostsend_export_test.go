@@ -1,0 +1,145 @@
+//go:build linux
+
+package share
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"time"
+)
+
+// Helpers of lostsend_test.go: consumers lost while an offer to them is
+// being sent, made certain with the send hooks.
+
+// LostInfo is a lost consumer's state as the exporter keeps it.
+type LostInfo struct {
+	Dropped       bool // forgotten (dropLocked)
+	Abandoned     int  // c.abandoned
+	ProcAbandoned int  // c.proc.abandoned
+	Watched       bool // its process's watch is still live in e.pids
+	InConns       bool
+	Voided        int
+}
+
+func lostInfoLocked(e *Exporter, c *consumer) LostInfo {
+	li := LostInfo{Dropped: c.dropped, Abandoned: c.abandoned, Voided: len(c.voided)}
+	_, li.InConns = e.conns[c]
+	if c.proc != nil {
+		li.ProcAbandoned = c.proc.abandoned
+		li.Watched = e.pids[c.proc.pid] == c.proc
+	}
+	return li
+}
+
+func loseConsumer(e *Exporter, c *consumer) {
+	c.conn.Close()
+	<-c.done
+	for {
+		e.mu.Lock()
+		ended := c.ended
+		e.mu.Unlock()
+		if ended {
+			return
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// LendLostDuringSendInfo is LendToConsumerLostDuringSend, returning the
+// lost consumer's state afterwards.
+func LendLostDuringSendInfo(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool) (bool, error, LostInfo) {
+	var lost *consumer
+	lose := func(c *consumer) { lost = c; loseConsumer(e, c) }
+	if delivered {
+		testHookAfterSend = lose
+	} else {
+		testHookBeforeSend = lose
+	}
+	defer func() { testHookBeforeSend, testHookAfterSend = nil, nil }()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	c := e.pickLocked()
+	if c == nil {
+		return false, errors.New("no consumer"), LostInfo{}
+	}
+	lent, err := e.lendLocked(ctx, c, b, &opts, true)
+	return lent, err, lostInfoLocked(e, lost)
+}
+
+// LendThenLose lends b to the consumer Offer picks (the send completes),
+// then loses that consumer: the pre-existing path (releaseVMMLocked
+// abandons a sent slot). It returns the lost consumer's state.
+func LendThenLose(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions) (bool, error, LostInfo) {
+	e.mu.Lock()
+	c := e.pickLocked()
+	if c == nil {
+		e.mu.Unlock()
+		return false, errors.New("no consumer"), LostInfo{}
+	}
+	lent, err := e.lendLocked(ctx, c, b, &opts, true)
+	e.mu.Unlock()
+	loseConsumer(e, c)
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return lent, err, lostInfoLocked(e, c)
+}
+
+// BroadcastLosingFirst broadcasts b; the first target is lost: during its
+// send (sentFirst false: after the send returned, before finishLocked), or
+// once its offer was sent, when the second target's send starts (sentFirst
+// true: the pre-existing path). Every later send pauses for pause after it
+// returns, as a loaded machine may.
+func BroadcastLosingFirst(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, sentFirst bool, pause time.Duration) (int, error) {
+	var mu sync.Mutex
+	n := 0
+	var first *consumer
+	testHookBeforeSend = func(c *consumer) {
+		mu.Lock()
+		n++
+		k := n
+		if k == 1 {
+			first = c
+		}
+		mu.Unlock()
+		if sentFirst && k == 2 {
+			loseConsumer(e, first)
+		}
+	}
+	testHookAfterSend = func(c *consumer) {
+		mu.Lock()
+		k := n
+		mu.Unlock()
+		if k == 1 && !sentFirst {
+			loseConsumer(e, c)
+			return
+		}
+		if k >= 2 {
+			time.Sleep(pause)
+		}
+	}
+	defer func() { testHookBeforeSend, testHookAfterSend = nil, nil }()
+	return e.Broadcast(ctx, b, opts)
+}
+
+// LendLostDuringSendThen is LendToConsumerLostDuringSend that runs then()
+// in the hook right after the loss (mu unlocked, send in flight or done).
+func LendLostDuringSendThen(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool, then func()) (bool, error) {
+	lose := func(c *consumer) { loseConsumer(e, c); then() }
+	if delivered {
+		testHookAfterSend = lose
+	} else {
+		testHookBeforeSend = lose
+	}
+	defer func() { testHookBeforeSend, testHookAfterSend = nil, nil }()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	c := e.pickLocked()
+	if c == nil {
+		return false, errors.New("no consumer")
+	}
+	return e.lendLocked(ctx, c, b, &opts, true)
+}
+
+// Closing reports e.closing.
+func Closing(e *Exporter) bool { e.mu.Lock(); defer e.mu.Unlock(); return e.closing }

@@ -1,0 +1,216 @@
+//go:build linux
+
+package share_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/seed743c36cf/cudashare/internal/sharetest"
+	"github.com/seed743c36cf/cudashare/share"
+)
+
+func lostSendRing(t *testing.T, env *sharetest.Env, e *share.Exporter, n int) (*share.Ring, *share.Buffer) {
+	t.Helper()
+	ctx := sharetest.Ctx(t)
+	if sh, why := e.Sharing(); sh != share.SharingVMM {
+		t.Skipf("sharing %v (%s)", sh, why)
+	}
+	r, err := e.NewRing(n, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := r.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := env.Ctx.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	return r, b
+}
+
+// TestLostDuringSendProcessServedLast: a consumer lost while a VMM offer to
+// it is being sent, whose offer went out, has the buffer abandoned to it;
+// as when it is lost after the send, its process stays watched and is
+// served last while it lives (procWatch.abandoned).
+func TestLostDuringSendProcessServedLast(t *testing.T) {
+	for _, deferred := range []bool{false, true} {
+		t.Run(fmt.Sprintf("deferred=%v", deferred), func(t *testing.T) {
+			env := sharetest.Setup(t)
+			e := newExporter(t, env)
+			ctx := sharetest.Ctx(t)
+			startConsumer(t, e)
+			startConsumer(t, e)
+			if err := e.WaitConsumers(ctx, 2); err != nil {
+				t.Fatal(err)
+			}
+			_, b := lostSendRing(t, env, e, 2)
+			opts := share.OfferOptions{Meta: sharetest.Meta(0)}
+			var (
+				lent bool
+				err  error
+				li   share.LostInfo
+			)
+			if deferred {
+				lent, err, li = share.LendLostDuringSendInfo(ctx, e, b, opts, true)
+			} else {
+				lent, err, li = share.LendThenLose(ctx, e, b, opts)
+			}
+			if !lent || err != nil {
+				t.Fatalf("lend = %v, %v", lent, err)
+			}
+			s := e.Stats()
+			t.Logf("lost consumer: %+v; stats: Abandoned=%d Replaced=%d Offers=%d Releases=%d Leases=%d Lost=%d",
+				li, s.Abandoned, s.Replaced, s.Offers, s.Releases, s.Leases, s.ConsumersLost)
+			if li.Abandoned != 1 || li.ProcAbandoned != 1 {
+				t.Errorf("abandoned counts %+v", li)
+			}
+			if li.Dropped || !li.Watched {
+				t.Errorf("the lost consumer, whose process may read an abandoned buffer, was dropped and its process unwatched (%+v): a reconnect from that process is not served last", li)
+			}
+			shutdown(t, e)
+		})
+	}
+}
+
+// TestBroadcastWithAConsumerLost: one consumer lost during (or right
+// after) its part of a Broadcast of a VMM ring buffer: its abandonment
+// retires the buffer's allocation in the background (quarantine), and the
+// Broadcast's next target finds b retired: the producer's Broadcast fails.
+func TestBroadcastWithAConsumerLost(t *testing.T) {
+	for _, sentFirst := range []bool{false, true} {
+		t.Run(fmt.Sprintf("sentFirst=%v", sentFirst), func(t *testing.T) {
+			env := sharetest.Setup(t)
+			e := newExporter(t, env)
+			ctx := sharetest.Ctx(t)
+			for range 3 {
+				startConsumer(t, e)
+			}
+			if err := e.WaitConsumers(ctx, 3); err != nil {
+				t.Fatal(err)
+			}
+			_, b := lostSendRing(t, env, e, 1)
+			n, err := share.BroadcastLosingFirst(ctx, e, b, share.OfferOptions{Meta: sharetest.Meta(0)}, sentFirst, 50*time.Millisecond)
+			s := e.Stats()
+			t.Logf("Broadcast = %d, %v; stats: Abandoned=%d Replaced=%d Offers=%d Releases=%d Leases=%d", n, err, s.Abandoned, s.Replaced, s.Offers, s.Releases, s.Leases)
+			if err != nil {
+				t.Errorf("one consumer's loss failed the Broadcast: %d, %v", n, err)
+			}
+			shutdown(t, e)
+		})
+	}
+}
+
+// TestArenaConsumerLostDuringSend: the deferred path for an arena buffer.
+func TestArenaConsumerLostDuringSend(t *testing.T) {
+	for _, delivered := range []bool{false, true} {
+		t.Run(fmt.Sprintf("delivered=%v", delivered), func(t *testing.T) {
+			env := sharetest.Setup(t)
+			e := newExporter(t, env)
+			ctx := sharetest.Ctx(t)
+			startConsumer(t, e)
+			startConsumer(t, e)
+			if err := e.WaitConsumers(ctx, 2); err != nil {
+				t.Fatal(err)
+			}
+			if sh, _ := e.Sharing(); sh != share.SharingVMM {
+				t.Skip("vmm")
+			}
+			a, err := e.NewArena(1 << 20)
+			if err != nil {
+				t.Fatal(err)
+			}
+			full := a.Available()
+			b, err := a.Alloc(ctx, 4096)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), 0); err != nil {
+				t.Fatal(err)
+			}
+			env.Ctx.Synchronize()
+			opts := share.OfferOptions{Meta: sharetest.Meta(0)}
+			lent, err := share.LendToConsumerLostDuringSend(ctx, e, b, opts, delivered)
+			if err != nil || lent != delivered {
+				t.Fatalf("lend = %v, %v", lent, err)
+			}
+			if !delivered {
+				if err := e.Offer(ctx, b, opts); err != nil {
+					t.Fatalf("re-offer: %v", err)
+				}
+			}
+			if err := b.Free(); err != nil {
+				t.Fatal(err)
+			}
+			want := full
+			if delivered {
+				want = full - 4096
+			}
+			waitUntil(t, "arena range back", func() bool { return a.Available() == want })
+			s := e.Stats()
+			t.Logf("stats: %+v, available %d of %d", s, a.Available(), full)
+			if s.Leases != 0 || s.Offers != s.Releases {
+				t.Errorf("stats inconsistent: %+v", s)
+			}
+			wantAb := uint64(0)
+			if delivered {
+				wantAb = 4096
+			}
+			if s.AbandonedBytes != wantAb {
+				t.Errorf("AbandonedBytes %d, want %d", s.AbandonedBytes, wantAb)
+			}
+			shutdown(t, e)
+		})
+	}
+}
+
+// TestShutdownDuringALostConsumersSend: Shutdown starts while the send to
+// a consumer already lost is in flight (a deferred voided vmm lease): it
+// must wait for the send, and free nothing early.
+func TestShutdownDuringALostConsumersSend(t *testing.T) {
+	for _, delivered := range []bool{false, true} {
+		t.Run(fmt.Sprintf("delivered=%v", delivered), func(t *testing.T) {
+			env := sharetest.Setup(t)
+			before := sharetest.CountViolations(t)
+			e := newExporter(t, env)
+			ctx := sharetest.Ctx(t)
+			startConsumer(t, e)
+			startConsumer(t, e)
+			if err := e.WaitConsumers(ctx, 2); err != nil {
+				t.Fatal(err)
+			}
+			_, b := lostSendRing(t, env, e, 2)
+			done := make(chan error, 1)
+			lent, err := share.LendLostDuringSendThen(ctx, e, b, share.OfferOptions{Meta: sharetest.Meta(0)}, delivered, func() {
+				go func() {
+					c, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+					defer cancel()
+					done <- e.Shutdown(c)
+				}()
+				for !share.Closing(e) {
+					time.Sleep(time.Millisecond)
+				}
+				time.Sleep(50 * time.Millisecond) // Shutdown waits on rec.sending
+				if s := e.Stats(); s.Allocations == 0 {
+					t.Errorf("Shutdown freed allocations while a send was in flight")
+				}
+			})
+			t.Logf("lend = %v, %v", lent, err)
+			if err := <-done; err != nil {
+				t.Errorf("Shutdown: %v", err)
+			}
+			s := e.Stats()
+			t.Logf("stats: %+v", s)
+			if s.Leases != 0 || s.Allocations != 0 || s.Offers != s.Releases {
+				t.Errorf("stats after Shutdown: %+v", s)
+			}
+			sharetest.NoNewViolations(t, before)
+		})
+	}
+}
