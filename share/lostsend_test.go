@@ -45,8 +45,11 @@ func TestLostDuringSendProcessServedLast(t *testing.T) {
 			env := sharetest.Setup(t)
 			e := newExporter(t, env)
 			ctx := sharetest.Ctx(t)
-			startConsumer(t, e)
-			startConsumer(t, e)
+			// Their processes outlive their connections, as a lost
+			// consumer's that may still read what it mapped does.
+			linger := sharetest.EnvParam(sharetest.ParamLinger, 1)
+			startConsumer(t, e, linger)
+			startConsumer(t, e, linger)
 			if err := e.WaitConsumers(ctx, 2); err != nil {
 				t.Fatal(err)
 			}

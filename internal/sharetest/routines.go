@@ -46,6 +46,7 @@ const (
 	ParamAfter     = "SHARE_RELEASE_AFTER" // consumer: "1" copies each lease on its stream, releases stream-ordered, then checks the copy
 	ParamProfile   = "SHARE_CPUPROFILE"    // any child: write a CPU profile to this file
 	ParamSharing   = "SHARE_SHARING"       // producer: "ipc", "vmm" or "auto" (auto)
+	ParamLinger    = "SHARE_LINGER"        // consumer: "1": once its connection ends, stay (and keep what it mapped) until stdin closes
 )
 
 // ChildEnv is what a routine gets.
@@ -384,6 +385,11 @@ func consumer(ce *ChildEnv) error {
 		if max > 0 && rep.Leases >= max {
 			break
 		}
+	}
+	if Param(ParamLinger, 0) == 1 {
+		// A process that outlives its connection, as a lost consumer
+		// that may still read what it mapped does, until the test ends.
+		io.Copy(io.Discard, ce.In)
 	}
 	if rep.Leases > 1 {
 		runtime.ReadMemStats(&ms)
