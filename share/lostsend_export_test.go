@@ -48,7 +48,7 @@ func loseConsumer(e *Exporter, c *consumer) {
 
 // LendLostDuringSendInfo is LendToConsumerLostDuringSend, returning the
 // lost consumer's state afterwards.
-func LendLostDuringSendInfo(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool) (bool, error, LostInfo) {
+func LendLostDuringSendInfo(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool) (bool, LostInfo, error) {
 	var lost *consumer
 	lose := func(c *consumer) { lost = c; loseConsumer(e, c) }
 	if delivered {
@@ -61,28 +61,28 @@ func LendLostDuringSendInfo(ctx context.Context, e *Exporter, b *Buffer, opts Of
 	defer e.mu.Unlock()
 	c := e.pickLocked()
 	if c == nil {
-		return false, errors.New("no consumer"), LostInfo{}
+		return false, LostInfo{}, errors.New("no consumer")
 	}
 	lent, err := e.lendLocked(ctx, c, b, &opts, true)
-	return lent, err, lostInfoLocked(e, lost)
+	return lent, lostInfoLocked(e, lost), err
 }
 
 // LendThenLose lends b to the consumer Offer picks (the send completes),
 // then loses that consumer: the pre-existing path (releaseVMMLocked
 // abandons a sent slot). It returns the lost consumer's state.
-func LendThenLose(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions) (bool, error, LostInfo) {
+func LendThenLose(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions) (bool, LostInfo, error) {
 	e.mu.Lock()
 	c := e.pickLocked()
 	if c == nil {
 		e.mu.Unlock()
-		return false, errors.New("no consumer"), LostInfo{}
+		return false, LostInfo{}, errors.New("no consumer")
 	}
 	lent, err := e.lendLocked(ctx, c, b, &opts, true)
 	e.mu.Unlock()
 	loseConsumer(e, c)
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return lent, err, lostInfoLocked(e, c)
+	return lent, lostInfoLocked(e, c), err
 }
 
 // BroadcastLosingFirst broadcasts b; the first target is lost: during its

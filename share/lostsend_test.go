@@ -61,9 +61,9 @@ func TestLostDuringSendProcessServedLast(t *testing.T) {
 				li   share.LostInfo
 			)
 			if deferred {
-				lent, err, li = share.LendLostDuringSendInfo(ctx, e, b, opts, true)
+				lent, li, err = share.LendLostDuringSendInfo(ctx, e, b, opts, true)
 			} else {
-				lent, err, li = share.LendThenLose(ctx, e, b, opts)
+				lent, li, err = share.LendThenLose(ctx, e, b, opts)
 			}
 			if !lent || err != nil {
 				t.Fatalf("lend = %v, %v", lent, err)
