@@ -5,7 +5,6 @@ package share
 import (
 	"context"
 	"errors"
-	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
 	"github.com/seed743c36cf/cudashare/transport"
@@ -77,16 +76,7 @@ func TransportDropThenKick(e *Exporter, transportWhy, kickWhy error) bool {
 		return false
 	}
 	c.conn.CloseWithError(transportWhy)
-	<-c.done
-	for { // onGone runs after close(c.done)
-		e.mu.Lock()
-		ended := c.ended
-		e.mu.Unlock()
-		if ended {
-			break
-		}
-		time.Sleep(time.Millisecond)
-	}
+	waitEnded(e, c)
 	e.kick(c, kickWhy)
 	return true
 }
@@ -98,30 +88,6 @@ func TransportDropThenKick(e *Exporter, transportWhy, kickWhy error) bool {
 // or after it returned (delivered true: the offer went out). It restores
 // the hooks before returning.
 func LendToConsumerLostDuringSend(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool) (lent bool, err error) {
-	lose := func(c *consumer) {
-		c.conn.Close()
-		<-c.done
-		for {
-			e.mu.Lock()
-			ended := c.ended
-			e.mu.Unlock()
-			if ended {
-				return
-			}
-			time.Sleep(time.Millisecond)
-		}
-	}
-	if delivered {
-		testHookAfterSend = lose
-	} else {
-		testHookBeforeSend = lose
-	}
-	defer func() { testHookBeforeSend, testHookAfterSend = nil, nil }()
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	c := e.pickLocked()
-	if c == nil {
-		return false, errors.New("no consumer to lend to")
-	}
-	return e.lendLocked(ctx, c, b, &opts, true)
+	lent, _, err = lendLosing(ctx, e, b, opts, delivered, nil)
+	return lent, err
 }

@@ -32,8 +32,16 @@ func lostInfoLocked(e *Exporter, c *consumer) LostInfo {
 	return li
 }
 
+// loseConsumer closes c's connection on this side and waits until the
+// exporter has handled the loss.
 func loseConsumer(e *Exporter, c *consumer) {
 	c.conn.Close()
+	waitEnded(e, c)
+}
+
+// waitEnded waits until the exporter has ended c (onGone, which runs after
+// c.done closes).
+func waitEnded(e *Exporter, c *consumer) {
 	<-c.done
 	for {
 		e.mu.Lock()
@@ -46,11 +54,20 @@ func loseConsumer(e *Exporter, c *consumer) {
 	}
 }
 
-// LendLostDuringSendInfo is LendToConsumerLostDuringSend, returning the
-// lost consumer's state afterwards.
-func LendLostDuringSendInfo(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool) (bool, LostInfo, error) {
+// lendLosing lends b, as Offer does, to the consumer Offer would pick
+// next, and loses it during the send: before the send starts (delivered
+// false) or after it returned (delivered true), then runs then (if not
+// nil), with mu unlocked. It returns the lost consumer; it restores the
+// hooks before returning.
+func lendLosing(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool, then func()) (bool, *consumer, error) {
 	var lost *consumer
-	lose := func(c *consumer) { lost = c; loseConsumer(e, c) }
+	lose := func(c *consumer) {
+		lost = c
+		loseConsumer(e, c)
+		if then != nil {
+			then()
+		}
+	}
 	if delivered {
 		testHookAfterSend = lose
 	} else {
@@ -61,9 +78,21 @@ func LendLostDuringSendInfo(ctx context.Context, e *Exporter, b *Buffer, opts Of
 	defer e.mu.Unlock()
 	c := e.pickLocked()
 	if c == nil {
-		return false, LostInfo{}, errors.New("no consumer")
+		return false, nil, errors.New("no consumer to lend to")
 	}
 	lent, err := e.lendLocked(ctx, c, b, &opts, true)
+	return lent, lost, err
+}
+
+// LendLostDuringSendInfo is LendToConsumerLostDuringSend, returning the
+// lost consumer's state afterwards.
+func LendLostDuringSendInfo(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool) (bool, LostInfo, error) {
+	lent, lost, err := lendLosing(ctx, e, b, opts, delivered, nil)
+	if lost == nil {
+		return lent, LostInfo{}, err
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
 	return lent, lostInfoLocked(e, lost), err
 }
 
@@ -125,20 +154,8 @@ func BroadcastLosingFirst(ctx context.Context, e *Exporter, b *Buffer, opts Offe
 // LendLostDuringSendThen is LendToConsumerLostDuringSend that runs then()
 // in the hook right after the loss (mu unlocked, send in flight or done).
 func LendLostDuringSendThen(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool, then func()) (bool, error) {
-	lose := func(c *consumer) { loseConsumer(e, c); then() }
-	if delivered {
-		testHookAfterSend = lose
-	} else {
-		testHookBeforeSend = lose
-	}
-	defer func() { testHookBeforeSend, testHookAfterSend = nil, nil }()
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	c := e.pickLocked()
-	if c == nil {
-		return false, errors.New("no consumer")
-	}
-	return e.lendLocked(ctx, c, b, &opts, true)
+	lent, _, err := lendLosing(ctx, e, b, opts, delivered, then)
+	return lent, err
 }
 
 // Closing reports e.closing.

@@ -14,25 +14,10 @@ import (
 
 func lostSendRing(t *testing.T, env *sharetest.Env, e *share.Exporter, n int) (*share.Ring, *share.Buffer) {
 	t.Helper()
-	ctx := sharetest.Ctx(t)
 	if sh, why := e.Sharing(); sh != share.SharingVMM {
 		t.Skipf("sharing %v (%s)", sh, why)
 	}
-	r, err := e.NewRing(n, 4096)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := r.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), 0); err != nil {
-		t.Fatal(err)
-	}
-	if err := env.Ctx.Synchronize(); err != nil {
-		t.Fatal(err)
-	}
-	return r, b
+	return acquireFilled(t, env, e, n)
 }
 
 // TestLostDuringSendProcessServedLast: a consumer lost while a VMM offer to
@@ -48,11 +33,7 @@ func TestLostDuringSendProcessServedLast(t *testing.T) {
 			// Their processes outlive their connections, as a lost
 			// consumer's that may still read what it mapped does.
 			linger := sharetest.EnvParam(sharetest.ParamLinger, 1)
-			startConsumer(t, e, linger)
-			startConsumer(t, e, linger)
-			if err := e.WaitConsumers(ctx, 2); err != nil {
-				t.Fatal(err)
-			}
+			startConsumers(t, e, 2, linger)
 			_, b := lostSendRing(t, env, e, 2)
 			opts := share.OfferOptions{Meta: sharetest.Meta(0)}
 			var (
@@ -117,11 +98,7 @@ func TestArenaConsumerLostDuringSend(t *testing.T) {
 			env := sharetest.Setup(t)
 			e := newExporter(t, env)
 			ctx := sharetest.Ctx(t)
-			startConsumer(t, e)
-			startConsumer(t, e)
-			if err := e.WaitConsumers(ctx, 2); err != nil {
-				t.Fatal(err)
-			}
+			startConsumers(t, e, 2)
 			if sh, _ := e.Sharing(); sh != share.SharingVMM {
 				t.Skip("vmm")
 			}
@@ -183,11 +160,7 @@ func TestShutdownDuringALostConsumersSend(t *testing.T) {
 			before := sharetest.CountViolations(t)
 			e := newExporter(t, env)
 			ctx := sharetest.Ctx(t)
-			startConsumer(t, e)
-			startConsumer(t, e)
-			if err := e.WaitConsumers(ctx, 2); err != nil {
-				t.Fatal(err)
-			}
+			startConsumers(t, e, 2)
 			_, b := lostSendRing(t, env, e, 2)
 			done := make(chan error, 1)
 			lent, err := share.LendLostDuringSendThen(ctx, e, b, share.OfferOptions{Meta: sharetest.Meta(0)}, delivered, func() {

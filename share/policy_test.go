@@ -556,25 +556,8 @@ func testOfferPassesOver(t *testing.T, why error) {
 	env := sharetest.Setup(t)
 	e := newExporter(t, env)
 	ctx := sharetest.Ctx(t)
-	startConsumer(t, e)
-	startConsumer(t, e)
-	if err := e.WaitConsumers(ctx, 2); err != nil {
-		t.Fatal(err)
-	}
-	r, err := e.NewRing(1, 4096)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := r.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), 0); err != nil {
-		t.Fatal(err)
-	}
-	if err := env.Ctx.Synchronize(); err != nil {
-		t.Fatal(err)
-	}
+	startConsumers(t, e, 2)
+	_, b := acquireFilled(t, env, e, 1)
 	// An offer that cannot be sent (its meta is over the limit) is the
 	// caller's error, and the consumers stay.
 	if err := e.Offer(ctx, b, share.OfferOptions{Meta: make([]byte, transport.MaxMetaSize+1)}); err == nil {
@@ -601,11 +584,7 @@ func testOfferPassesOver(t *testing.T, why error) {
 func TestDropCountedOnce(t *testing.T) {
 	env := sharetest.Setup(t)
 	e := newExporter(t, env)
-	ctx := sharetest.Ctx(t)
-	startConsumer(t, e)
-	if err := e.WaitConsumers(ctx, 1); err != nil {
-		t.Fatal(err)
-	}
+	startConsumers(t, e, 1)
 	if !share.TransportDropThenKick(e,
 		fmt.Errorf("transport: send to consumer: %w", transport.ErrWriteTimeout),
 		fmt.Errorf("%w: it held a lease longer than the lease timeout", transport.ErrTimeout)) {
@@ -624,18 +603,8 @@ func TestInvalidOfferOnFailedConnection(t *testing.T) {
 	env := sharetest.Setup(t)
 	e := newExporter(t, env)
 	ctx := sharetest.Ctx(t)
-	startConsumer(t, e)
-	if err := e.WaitConsumers(ctx, 1); err != nil {
-		t.Fatal(err)
-	}
-	r, err := e.NewRing(1, 4096)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := r.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	startConsumers(t, e, 1)
+	_, b := acquireFilled(t, env, e, 1)
 	opts := share.OfferOptions{Meta: make([]byte, transport.MaxMetaSize+1)}
 	if lent, err := share.LendToClosedConsumer(ctx, e, b, opts, nil); lent || err == nil {
 		t.Errorf("an invalid offer to a consumer whose connection failed = %v, %v; want false and the offer's error", lent, err)
@@ -655,28 +624,11 @@ func TestConsumerLostDuringSend(t *testing.T) {
 			env := sharetest.Setup(t)
 			e := newExporter(t, env)
 			ctx := sharetest.Ctx(t)
-			startConsumer(t, e)
-			startConsumer(t, e)
-			if err := e.WaitConsumers(ctx, 2); err != nil {
-				t.Fatal(err)
-			}
+			startConsumers(t, e, 2)
 			if sh, why := e.Sharing(); sh != share.SharingVMM {
 				t.Skipf("sharing %v (%s): the case is VMM's", sh, why)
 			}
-			r, err := e.NewRing(1, 4096)
-			if err != nil {
-				t.Fatal(err)
-			}
-			b, err := r.Acquire(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
-			if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), 0); err != nil {
-				t.Fatal(err)
-			}
-			if err := env.Ctx.Synchronize(); err != nil {
-				t.Fatal(err)
-			}
+			r, b := acquireFilled(t, env, e, 1)
 			opts := share.OfferOptions{Meta: sharetest.Meta(0)}
 			lent, err := share.LendToConsumerLostDuringSend(ctx, e, b, opts, delivered)
 			if err != nil || lent != delivered {

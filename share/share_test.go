@@ -38,6 +38,40 @@ func startConsumer(t testing.TB, e *share.Exporter, params ...string) *sharetest
 	return c
 }
 
+// startConsumers starts n consumers with params and waits until the
+// exporter has them all.
+func startConsumers(t testing.TB, e *share.Exporter, n int, params ...string) {
+	t.Helper()
+	for range n {
+		startConsumer(t, e, params...)
+	}
+	if err := e.WaitConsumers(sharetest.Ctx(t), n); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// acquireFilled makes a ring of n 4 KiB buffers and acquires one, its
+// batch 0 pattern written and synchronized.
+func acquireFilled(t testing.TB, env *sharetest.Env, e *share.Exporter, n int) (*share.Ring, *share.Buffer) {
+	t.Helper()
+	ctx := sharetest.Ctx(t)
+	r, err := e.NewRing(n, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := r.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := env.Ctx.Synchronize(); err != nil {
+		t.Fatal(err)
+	}
+	return r, b
+}
+
 // offerRing acquires, fills and offers n buffers of r, numbered from first.
 func offerRing(t *testing.T, env *sharetest.Env, e *share.Exporter, r *share.Ring, first, n int) {
 	t.Helper()
