@@ -38,6 +38,28 @@ def out(rep, code):
     return code
 
 
+def finish(rep, n, ok, t0, t1, lat):
+    """Completes rep from the run (n batches, ok: the data check passed;
+    t0, t1: the first and last batch's CLOCK_MONOTONIC ns; lat: one-way
+    latencies in ns), prints it, and returns the exit code. bench/py_interop.py
+    ends the same way."""
+    if n:
+        rep["verified" if ok else "verify_errors"] += n
+    if t0 is not None and t1 is not None and t1 > t0 and n > 1:
+        rep["seconds"] = round((t1 - t0) / 1e9, 3)
+        rep["handoffs_per_s"] = round(n / ((t1 - t0) / 1e9), 1)
+    if lat:
+        lat.sort()
+        rep["p50_us"] = round(lat[len(lat) // 2] / 1e3, 1)
+        rep["p99_us"] = round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] / 1e3, 1)
+        rep["max_us"] = round(lat[-1] / 1e3, 1)
+    if not ok and not rep.get("error"):
+        rep.update(error="wrong data: " + rep["check"], exit=1)
+    if n == 0 and not rep.get("error"):
+        rep.update(error="no batch received", exit=1)
+    return out(rep, rep["exit"])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
@@ -156,21 +178,7 @@ def main():
     else:
         ok = got == 0
         rep["check"] = "every byte of every batch: %d wrong" % got
-    if n:
-        rep["verified" if ok else "verify_errors"] += n
-    if t0 is not None and t1 is not None and t1 > t0 and n > 1:
-        rep["seconds"] = round((t1 - t0) / 1e9, 3)
-        rep["handoffs_per_s"] = round(n / ((t1 - t0) / 1e9), 1)
-    if lat:
-        lat.sort()
-        rep["p50_us"] = round(lat[len(lat) // 2] / 1e3, 1)
-        rep["p99_us"] = round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] / 1e3, 1)
-        rep["max_us"] = round(lat[-1] / 1e3, 1)
-    if not ok and not rep.get("error"):
-        rep.update(error="wrong data: " + rep["check"], exit=1)
-    if n == 0 and not rep.get("error"):
-        rep.update(error="no batch received", exit=1)
-    return out(rep, rep["exit"])
+    return finish(rep, n, ok, t0, t1, lat)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,6 @@ vanished.
 
 import argparse
 import collections
-import json
 import os
 import sys
 import time
@@ -77,10 +76,7 @@ class Skip(Exception):
     """The framework or a GPU for it is missing: exit 3, not a failure."""
 
 
-def out(rep, code):
-    sys.stdout.write(json.dumps(rep, separators=(",", ":")) + "\n")
-    sys.stdout.flush()
-    return code
+from py_consumer import finish, out  # noqa: E402  (the same report line, ended the same way)
 
 
 class _Premade:
@@ -582,21 +578,7 @@ def main():
     rep["zero_copy"] = "%d/%d" % (fw.views - fw.copies, fw.views)
     ok = wrong == 0 and not rep["verify_errors"]
     rep["check"] = "every byte of every batch (%s): %s wrong" % (a.framework, "?" if wrong is None else wrong)
-    if n:
-        rep["verified" if ok else "verify_errors"] += n
-    if t0 is not None and t1 is not None and t1 > t0 and n > 1:
-        rep["seconds"] = round((t1 - t0) / 1e9, 3)
-        rep["handoffs_per_s"] = round(n / ((t1 - t0) / 1e9), 1)
-    if lat:
-        lat.sort()
-        rep["p50_us"] = round(lat[len(lat) // 2] / 1e3, 1)
-        rep["p99_us"] = round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] / 1e3, 1)
-        rep["max_us"] = round(lat[-1] / 1e3, 1)
-    if not ok and not rep.get("error"):
-        rep.update(error="wrong data: " + rep["check"], exit=1)
-    if n == 0 and not rep.get("error"):
-        rep.update(error="no batch received", exit=1)
-    return out(rep, rep["exit"])
+    return finish(rep, n, ok, t0, t1, lat)
 
 
 if __name__ == "__main__":
