@@ -93,86 +93,103 @@ func (p *proc) signalGroup(sig syscall.Signal) {
 // releases stream-ordered (-verify async), so interprocess events go both
 // ways. With VMM every placement works: every batch verified, the producer
 // frees everything. With legacy IPC the siblings fail, and each consumer
-// says why and what to do: run the producer with -sharing vmm.
+// says why and what to do: run the producer with -sharing vmm. Each case
+// runs with the consumers on the producer's GPU and, where there are two,
+// on the other one (peer access: lazy for legacy handles, cuMemSetAccess
+// for the consumer's device with VMM).
 func TestPIDNamespaces(t *testing.T) {
 	needUnshare(t)
 	for _, sharing := range []string{"vmm", "ipc"} {
-		for _, pl := range nsPlacements {
-			t.Run(sharing+"/"+pl.name, func(t *testing.T) {
-				e := newEnv(t, "")
-				const batches = 300
-				prod := e.startNS("producer", pl.producer, bins.producer,
-					"-socket", e.sock, "-json", "-wait", "20s", "-v", "-consumers", "2",
-					"-sharing", sharing, "-ring", "4", "-size", "64KiB", "-count", itoa(batches),
-					"-shutdown-timeout", "10s")
-				var cons []*proc
-				for _, verify := range []string{"every", "async"} {
-					cons = append(cons, e.startNS("consumer "+verify, pl.consumer, bins.consumer,
-						"-socket", e.sock, "-json", "-wait", "20s", "-v", "-verify", verify))
-				}
-				if sharing == "ipc" && pl.producer && pl.consumer {
-					for _, c := range cons {
-						code := c.wait(30 * time.Second)
-						var r app.ConsumerReport
-						c.report(&r)
-						t.Logf("%s: exit %d, end %q: %s", c.name, code, r.End, r.Error)
-						if code == app.ExitOK || r.Handoffs != 0 {
-							t.Errorf("%s exited %d after %d batches with legacy IPC between sibling PID namespaces; want a failure before any batch\nstderr:\n%s",
-								c.name, code, r.Handoffs, c.stderr.String())
-						}
-						mustContain(t, c.name+"'s error", r.Error, "sibling PID namespaces", "CUDA_ERROR_INVALID_CONTEXT", "-sharing vmm")
-					}
-					// The producer, with no consumer left, waits for
-					// another: stop it; it must still free everything.
-					prod.signalGroup(syscall.SIGTERM)
-					pr := prod.producerDoneAnyEnd(30 * time.Second)
-					t.Logf("producer: end %s, %d offers, %d consumers lost, %d dropped", pr.End, pr.Offers, pr.ConsumersLost, pr.ConsumersDropped)
-					return
-				}
-				var total uint64
-				for _, c := range cons {
-					r := c.consumerDone(30 * time.Second)
-					total += r.Handoffs
-					if r.End != "producer said goodbye" || r.Handoffs == 0 || r.Verified != r.Handoffs {
-						t.Errorf("%s: ended by %q after %d batches, %d verified; want the producer's goodbye, every batch verified",
-							c.name, r.End, r.Handoffs, r.Verified)
-					}
-				}
-				pr := prod.producerDone(30 * time.Second)
-				t.Logf("producer: sharing %s, %d batches, %d offers, %d allocations left; consumers: %d handoffs",
-					pr.Sharing, pr.Batches, pr.Offers, pr.AllocationsLeft, total)
-				if pr.Sharing != sharing {
-					t.Errorf("producer shared by %s (%s), want %s", pr.Sharing, pr.SharingWhy, sharing)
-				}
-				if pr.End != "count" || pr.Batches != batches || total != batches {
-					t.Errorf("producer: %d batches, ended by %s; consumers: %d handoffs; want %d, count, %d", pr.Batches, pr.End, total, batches, batches)
-				}
-				// With VMM an unwatchable consumer (pid 0: the producer's
-				// namespace is below the consumer's, or beside it) is
-				// nothing to warn about: no memory waits on the watch.
-				// What each side's SO_PEERCRED pid of the other read.
-				for _, line := range strings.Split(prod.stderr.String(), "\n") {
-					if strings.Contains(line, "consumer connected") {
-						t.Logf("producer: %s", line[strings.Index(line, "msg="):])
-					}
-				}
-				for _, c := range cons {
-					if strings.Contains(c.stderr.String(), "its pid reads 0 here") {
-						t.Logf("%s: the producer's pid reads 0", c.name)
-					}
-				}
-				for _, line := range strings.Split(prod.stderr.String(), "\n") {
-					if sharing == "vmm" && strings.Contains(line, "level=WARN") && strings.Contains(line, "cannot be watched") {
-						t.Errorf("the VMM producer warns that memory waits on a watch: %s", line)
-					}
-				}
-				if t.Failed() {
-					t.Logf("producer stderr:\n%s", prod.stderr.String())
-					for _, c := range cons {
-						t.Logf("%s stderr:\n%s", c.name, c.stderr.String())
-					}
-				}
-			})
+		for _, gpu := range []string{"same-gpu", "across-gpus"} {
+			for _, pl := range nsPlacements {
+				t.Run(sharing+"/"+gpu+"/"+pl.name, func(t *testing.T) {
+					testPIDNamespace(t, sharing, gpu == "across-gpus", pl)
+				})
+			}
+		}
+	}
+}
+
+func testPIDNamespace(t *testing.T, sharing string, across bool, pl nsPlacement) {
+	e := newEnv(t, "")
+	cdev := "0"
+	if across {
+		e.needDevices(2)
+		cdev = "1"
+	}
+	const batches = 300
+	prod := e.startNS("producer", pl.producer, bins.producer,
+		"-socket", e.sock, "-json", "-wait", "20s", "-v", "-consumers", "2", "-device", "0",
+		"-sharing", sharing, "-ring", "4", "-size", "64KiB", "-count", itoa(batches),
+		"-shutdown-timeout", "10s")
+	var cons []*proc
+	for _, verify := range []string{"every", "async"} {
+		cons = append(cons, e.startNS("consumer "+verify, pl.consumer, bins.consumer,
+			"-socket", e.sock, "-json", "-wait", "20s", "-v", "-verify", verify, "-device", cdev))
+	}
+	if sharing == "ipc" && pl.producer && pl.consumer {
+		for _, c := range cons {
+			code := c.wait(30 * time.Second)
+			var r app.ConsumerReport
+			c.report(&r)
+			t.Logf("%s: exit %d, end %q: %s", c.name, code, r.End, r.Error)
+			if code == app.ExitOK || r.Handoffs != 0 {
+				t.Errorf("%s exited %d after %d batches with legacy IPC between sibling PID namespaces; want a failure before any batch\nstderr:\n%s",
+					c.name, code, r.Handoffs, c.stderr.String())
+			}
+			mustContain(t, c.name+"'s error", r.Error, "sibling PID namespaces", "CUDA_ERROR_INVALID_CONTEXT", "-sharing vmm")
+		}
+		// The producer, with no consumer left, waits for
+		// another: stop it; it must still free everything.
+		prod.signalGroup(syscall.SIGTERM)
+		pr := prod.producerDoneAnyEnd(30 * time.Second)
+		t.Logf("producer: end %s, %d offers, %d consumers lost, %d dropped", pr.End, pr.Offers, pr.ConsumersLost, pr.ConsumersDropped)
+		return
+	}
+	var total uint64
+	for _, c := range cons {
+		r := c.consumerDone(30 * time.Second)
+		total += r.Handoffs
+		if r.End != "producer said goodbye" || r.Handoffs == 0 || r.Verified != r.Handoffs {
+			t.Errorf("%s: ended by %q after %d batches, %d verified; want the producer's goodbye, every batch verified",
+				c.name, r.End, r.Handoffs, r.Verified)
+		}
+		if r.SameDevice == across {
+			t.Errorf("%s on %s read memory on %s (same device %v), want across GPUs %v", c.name, r.DeviceUUID, r.ProducerDevice, r.SameDevice, across)
+		}
+	}
+	pr := prod.producerDone(30 * time.Second)
+	t.Logf("producer: sharing %s, %d batches, %d offers, %d allocations left; consumers: %d handoffs",
+		pr.Sharing, pr.Batches, pr.Offers, pr.AllocationsLeft, total)
+	if pr.Sharing != sharing {
+		t.Errorf("producer shared by %s (%s), want %s", pr.Sharing, pr.SharingWhy, sharing)
+	}
+	if pr.End != "count" || pr.Batches != batches || total != batches {
+		t.Errorf("producer: %d batches, ended by %s; consumers: %d handoffs; want %d, count, %d", pr.Batches, pr.End, total, batches, batches)
+	}
+	// With VMM an unwatchable consumer (pid 0: the producer's
+	// namespace is below the consumer's, or beside it) is
+	// nothing to warn about: no memory waits on the watch.
+	// What each side's SO_PEERCRED pid of the other read.
+	for _, line := range strings.Split(prod.stderr.String(), "\n") {
+		if strings.Contains(line, "consumer connected") {
+			t.Logf("producer: %s", line[strings.Index(line, "msg="):])
+		}
+	}
+	for _, c := range cons {
+		if strings.Contains(c.stderr.String(), "its pid reads 0 here") {
+			t.Logf("%s: the producer's pid reads 0", c.name)
+		}
+	}
+	for _, line := range strings.Split(prod.stderr.String(), "\n") {
+		if sharing == "vmm" && strings.Contains(line, "level=WARN") && strings.Contains(line, "cannot be watched") {
+			t.Errorf("the VMM producer warns that memory waits on a watch: %s", line)
+		}
+	}
+	if t.Failed() {
+		t.Logf("producer stderr:\n%s", prod.stderr.String())
+		for _, c := range cons {
+			t.Logf("%s stderr:\n%s", c.name, c.stderr.String())
 		}
 	}
 }
