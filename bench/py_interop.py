@@ -229,9 +229,16 @@ class Cupy(_NoHold):
         cp = self.cp
         if self.mode == "cai":
             cai = lease.__cuda_array_interface__  # the legacy stream waits on the producer's event
-            x = cp.asarray(lease)                 # no copy; CuPy host-syncs cai["stream"] (CAI v3)
+            x = cp.asarray(lease)                 # CuPy host-syncs cai["stream"] (CAI v3)
             self._after(cai["stream"])
             p = cai["data"][0]
+            if "cai_pointer_device" not in self.info:
+                # CAI names no device: CuPy takes the pointer's from
+                # cudaPointerGetAttributes, and asarray copies an array of
+                # another device to the current one (cupy/_core/core.pyx
+                # _array_from_cupy_ndarray). Say what the driver told it.
+                self.info["cai_pointer_device"] = "%d (current %d)" % (
+                    cp.cuda.runtime.pointerGetAttributes(p).device, cp.cuda.Device().id)
         else:
             m = self.mode
             if m == "both":

@@ -196,7 +196,7 @@ if res == "ok" and want and n != int(want):
 extra = ""
 if c.get("zero_copy"):
     extra += ", zero-copy %s" % c["zero_copy"]
-for k in ("cupy_cai_sync", "dlpack_paths", "capsule_via", "jax_api"):
+for k in ("cupy_cai_sync", "cai_pointer_device", "dlpack_paths", "capsule_via", "jax_api"):
     if c.get(k):
         extra += ", %s %s" % (k.replace("_", " "), c[k])
 details = "%s batches, %s verified, %s wrong, %s/s, sharing %s, %s%s%s" % (
