@@ -19,12 +19,14 @@ var soak = flag.Bool("soak", false, "run TestSoak (also CUDASHARE_SOAK=1): 70 s 
 // Producer: ring of 8 x 64 KiB, -lease-timeout 3s, -write-timeout 2s,
 // -max-leases 4, -shutdown-timeout 15s. Consumers (-write-timeout 2s,
 // -report-every 1s, -verify sample:25):
-//   - steady: -work 2ms; slow: one worker, -work 20ms;
+//   - steady: -work 2ms; slow: one worker, -work 20ms, on the other GPU
+//     where there are two (peer access);
 //   - pauser: stopped for 1.5 s (under the lease timeout) every 10 s, then
 //     resumed: never dropped;
 //   - dropped: stopped for 7 s from second 15 (over the lease timeout), then
 //     resumed: exits 8 with the lease-timeout message;
-//   - victim: SIGKILLed at second 20 and replaced by a new consumer.
+//   - victim: SIGKILLed at second 20 and replaced by a new consumer, on
+//     the other GPU where there are two.
 //
 // Hostile load: 48 silent connections replaced every 2 s from second 5 to
 // the end; 300 handshaken idle connections held from second 25 to 55; 500
@@ -48,8 +50,12 @@ func TestSoak(t *testing.T) {
 		"-max-leases", "4", "-shutdown-timeout", "15s", "-v", "-report-every", "200ms")
 	common := []string{"-write-timeout", "2s", "-report-every", "1s", "-verify", "sample:25"}
 	cons := func(name string, args ...string) *proc { return e.consumer(name, append(args, common...)...) }
+	other := "0" // the GPU of the slow consumer and the replacement
+	if devs, err := e.d.Devices(); err == nil && len(devs) > 1 {
+		other = "1"
+	}
 	steady := cons("steady", "-work", "2ms")
-	slow := cons("slow", "-workers", "1", "-work", "20ms")
+	slow := cons("slow", "-workers", "1", "-work", "20ms", "-device", other)
 	pauser := cons("pauser", "-work", "1ms")
 	dropped := cons("dropped", "-work", "1ms")
 	victim := cons("victim", "-work", "1ms")
@@ -74,7 +80,7 @@ func TestSoak(t *testing.T) {
 		case 20:
 			victim.cmd.Process.Kill()
 			victim.wait(10 * time.Second)
-			replacement = cons("replacement", "-work", "1ms")
+			replacement = cons("replacement", "-work", "1ms", "-device", other)
 		case 22:
 			dropped.signal(syscall.SIGCONT)
 		case 25:
@@ -130,8 +136,12 @@ func TestSoak(t *testing.T) {
 
 	prod.signal(syscall.SIGTERM)
 	for _, c := range good {
-		if r := c.consumerDone(30 * time.Second); r.End != "producer said goodbye" {
+		r := c.consumerDone(30 * time.Second)
+		if r.End != "producer said goodbye" {
 			t.Errorf("%s ended by %q", c.name, r.End)
+		}
+		if (c == slow || c == replacement) && r.SameDevice != (other == "0") {
+			t.Errorf("%s on %s read memory on %s, want GPU %s", c.name, r.DeviceUUID, r.ProducerDevice, other)
 		}
 	}
 	pr := prod.producerDone(30 * time.Second)
