@@ -4,6 +4,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 	"testing"
@@ -249,6 +250,35 @@ func TestUsage(t *testing.T) {
 	}
 	mustContain(t, "producer -h", e.start("producer -h", bins.producer, nil, "-h").waitOut(), "-fresh", "-broadcast", "-event", "-count", "-duration", "-consumers")
 	mustContain(t, "consumer -h", e.start("consumer -h", bins.consumer, nil, "-h").waitOut(), "-workers", "-credits", "-verify", "-read-test", "-json")
+}
+
+// TestCPUProfile: -cpuprofile writes a profile of the whole run from each
+// binary (the benchmark's rows are profiled this way on a GPU machine with
+// no Go toolchain); a file that cannot be made is a usage error that names
+// the flag.
+func TestCPUProfile(t *testing.T) {
+	e := newEnv(t, "")
+	dir := t.TempDir()
+	pp, cp := filepath.Join(dir, "producer.pprof"), filepath.Join(dir, "consumer.pprof")
+	prod := e.producer("-ring", "4", "-size", "64KiB", "-count", "200", "-cpuprofile", pp)
+	c := e.consumer("consumer", "-cpuprofile", cp)
+	c.consumerDone(30 * time.Second)
+	prod.producerDone(30 * time.Second)
+	for _, f := range []string{pp, cp} {
+		b, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		// A profile is a gzipped protocol buffer.
+		if len(b) < 2 || b[0] != 0x1f || b[1] != 0x8b {
+			t.Errorf("%s: %d bytes, not a gzipped profile", f, len(b))
+		}
+	}
+	for _, b := range []struct{ name, bin string }{{"producer", bins.producer}, {"consumer", bins.consumer}} {
+		p := e.start(b.name+" -cpuprofile in a missing directory", b.bin, nil, "-cpuprofile", filepath.Join(dir, "no", "such.pprof"))
+		p.expectExit(app.ExitUsage, 10*time.Second)
+		mustContain(t, b.name+"'s stderr", p.stderr.String(), "-cpuprofile", "no such file or directory")
+	}
 }
 
 // waitOut waits for a child that must succeed and returns its stdout.

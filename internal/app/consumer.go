@@ -115,6 +115,7 @@ func RunConsumer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.StringVar(&cfg.progress, "progress", "auto", "live progress line: auto (when stdout is a terminal), on, off")
 	fs.DurationVar(&cfg.reportEvery, "report-every", 0, "print a JSON progress line (ConsumerProgress) to stdout this often while consuming, for scripts and tests watching a long run (0: none)")
 	fs.BoolVar(&cfg.verbose, "v", false, "log more")
+	cpuprofile := cpuProfileFlag(fs)
 	if code, done := parseFlags(fs, args, stdout); done {
 		return code
 	}
@@ -146,6 +147,11 @@ func RunConsumer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	}
 	c.bufs.New = func() any { b := make([]byte, 16); return &b }
 	showProgress := !cfg.json && (cfg.progress == "on" || cfg.progress == "auto" && isTerminal(stdout))
+	stopProfile, ok := startCPUProfile("consumer", *cpuprofile, stderr)
+	if !ok {
+		return ExitUsage
+	}
+	defer stopProfile()
 	err := c.run(ctx, stdout, showProgress)
 	c.finishReport(err)
 	if cfg.json {

@@ -74,6 +74,7 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.StringVar(&cfg.sharing, "sharing", envOr("CUDASHARE_SHARING", "auto"), "how the buffers are shared: vmm (VMM allocations sent as file descriptors: work across containers, outlive the producer, never pinned by a lost consumer), ipc (legacy CUDA IPC handles), or auto (vmm where the device supports it); CUDASHARE_SHARING sets the default")
 	fs.BoolVar(&cfg.json, "json", false, "print one JSON line of results instead of the summary")
 	fs.BoolVar(&cfg.verbose, "v", false, "log consumers arriving and leaving")
+	cpuprofile := cpuProfileFlag(fs)
 	if code, done := parseFlags(fs, args, stdout); done {
 		return code
 	}
@@ -111,6 +112,11 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	if cfg.fresh {
 		p.rep.Mode = "fresh"
 	}
+	stopProfile, ok := startCPUProfile("producer", *cpuprofile, stderr)
+	if !ok {
+		return ExitUsage
+	}
+	defer stopProfile()
 	err := p.run(ctx)
 	if err != nil {
 		p.rep.Error = err.Error()
