@@ -55,6 +55,7 @@ type result struct {
 	Device         int     `json:"device"`
 	ConsumerDevice int     `json:"consumer_device"`
 	Work           string  `json:"gpu_work"`
+	Interprocess   bool    `json:"interprocess,omitempty"`
 	Batches        uint64  `json:"handoffs"`
 	Seconds        float64 `json:"seconds"`
 	IssueSeconds   float64 `json:"issue_seconds"`
@@ -72,6 +73,7 @@ func main() {
 	ring := flag.Int("ring", 8, "buffers in the ring")
 	sizeS := flag.String("size", "1MiB", "bytes per buffer: 1048576, 1MiB, 64MiB, ...")
 	cp := flag.Bool("copy", true, "stream C copies each buffer into its scratch buffer; -copy=false: it only waits and records")
+	ipcEv := flag.Bool("interprocess", false, "make the events interprocess ones (CU_EVENT_INTERPROCESS), as cudashare's are, to tell their cost from the rest of a handoff")
 	secs := flag.Float64("seconds", 4, "length of the measured run")
 	warmup := flag.Float64("warmup", 0.2, "seconds of batches before the measured run")
 	asJSON := flag.Bool("json", false, "print one JSON line")
@@ -84,7 +86,17 @@ func main() {
 	if *cdev < 0 {
 		*cdev = *dev
 	}
-	r := result{Impl: "limit", Mode: "ring", Ring: *ring, Size: size, Device: *dev, ConsumerDevice: *cdev, Work: "fill"}
+	if *ipcEv && *cdev != *dev {
+		// Measured on two H200s, driver 580.159.04 (2026-11-23): a stream on
+		// one device waiting on an interprocess event that another device's
+		// context of the same process recorded crashed inside the driver
+		// (SIGSEGV in cuStreamWaitEvent). cudashare never does that: a peer
+		// opens the other process's events from their IPC handles, in its
+		// own context.
+		fmt.Fprintln(os.Stderr, "limit: -interprocess needs -consumer-device equal to -device: across devices, in one process, the driver crashed waiting on an interprocess event of the other device's context (two H200s, driver 580)")
+		os.Exit(2)
+	}
+	r := result{Impl: "limit", Mode: "ring", Ring: *ring, Size: size, Device: *dev, ConsumerDevice: *cdev, Work: "fill", Interprocess: *ipcEv}
 	if *cp {
 		r.Work = "fill+copy"
 	}
@@ -193,6 +205,10 @@ func run(r *result, backend string, doCopy bool, length, warmup time.Duration) (
 		}
 	}
 
+	evFlags := driver.EventDisableTiming
+	if r.Interprocess {
+		evFlags |= driver.EventInterprocess
+	}
 	bufs := make([]driver.DevicePtr, r.Ring)
 	filled := make([]*driver.Event, r.Ring)
 	consumed := make([]*driver.Event, r.Ring)
@@ -202,11 +218,11 @@ func run(r *result, backend string, doCopy bool, length, warmup time.Duration) (
 		}
 		p := bufs[i]
 		cl.add(func() error { return ctxP.Free(p) })
-		if filled[i], err = ctxP.NewEvent(driver.EventDisableTiming); err != nil {
+		if filled[i], err = ctxP.NewEvent(evFlags); err != nil {
 			return err
 		}
 		cl.add(filled[i].Close)
-		if consumed[i], err = ctxC.NewEvent(driver.EventDisableTiming); err != nil {
+		if consumed[i], err = ctxC.NewEvent(evFlags); err != nil {
 			return err
 		}
 		cl.add(consumed[i].Close)
