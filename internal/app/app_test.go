@@ -1,6 +1,7 @@
 package app
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -13,10 +14,12 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/seed743c36cf/cudashare/share"
 	"github.com/seed743c36cf/cudashare/transport"
 	"github.com/vmihailenco/msgpack/v5"
+	"golang.org/x/sys/unix"
 )
 
 func TestParseSize(t *testing.T) {
@@ -293,5 +296,159 @@ func TestExplainListenNotASocket(t *testing.T) {
 	err = explainListen(path, fmt.Errorf("transport: listen: %w: %s has mode 0755", transport.ErrUnsafePath, dir))
 	if !strings.Contains(err.Error(), "mode 0700") {
 		t.Errorf("an open directory: %v", err)
+	}
+}
+
+// parseMetaMsgpack is parseMeta as it was, on the msgpack library: the
+// reference TestMetaScanAgrees holds the in-place scanner to. One change:
+// it refused bytes after the map only when they decoded as a value, so a
+// truncated one passed; now any byte left is refused, as the scanner does.
+func parseMetaMsgpack(b []byte) (seq uint64, sentNS int64, ok bool) {
+	r := bytes.NewReader(b)
+	dec := msgpack.NewDecoder(r)
+	n, err := dec.DecodeMapLen()
+	if err != nil || n < 0 {
+		return 0, 0, false
+	}
+	var haveSeq, haveT bool
+	for range n {
+		key, err := dec.DecodeString()
+		if err != nil {
+			return 0, 0, false
+		}
+		if key != "batch" && key != "t" {
+			if dec.Skip() != nil {
+				return 0, 0, false
+			}
+			continue
+		}
+		v, err := dec.DecodeInterfaceLoose()
+		if err != nil {
+			return 0, 0, false
+		}
+		var u uint64
+		switch v := v.(type) {
+		case uint64:
+			u = v
+		case int64:
+			if v < 0 {
+				return 0, 0, false
+			}
+			u = uint64(v)
+		default:
+			return 0, 0, false
+		}
+		if key == "batch" {
+			seq, haveSeq = u, true
+		} else {
+			sentNS, haveT = int64(u), true
+		}
+	}
+	if r.Len() != 0 {
+		return 0, 0, false // bytes after the map
+	}
+	return seq, sentNS, haveSeq && haveT
+}
+
+// TestMetaScanAgrees: on the producer's metadata, with keys of an
+// application's around it, and on many corruptions of both, the in-place
+// scanner accepts what the msgpack library's decoding accepted, with the
+// same values, and refuses what it refused.
+func TestMetaScanAgrees(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	extra, err := msgpack.Marshal(map[string]any{"name": "batch of images", "labels": []any{1, -2, 3.5, nil, true, []byte{1, 2}}, "nested": map[string]any{"a": []any{"x"}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var compared, accepted, refused int
+	check := func(b []byte) {
+		t.Helper()
+		s1, t1, ok1 := parseMeta(b)
+		// The library allocates what a corrupted length declares: give it
+		// only single well-formed values (whose lengths fit in b); the
+		// scanner must refuse the rest.
+		w := metaScan{b: b}
+		if w.skip(0); w.bad || w.i != len(b) {
+			if ok1 {
+				t.Fatalf("%x: not one well-formed value, yet the scanner read %d %d", b, s1, t1)
+			}
+			refused++
+			return
+		}
+		compared++
+		s2, t2, ok2 := parseMetaMsgpack(b)
+		if ok1 != ok2 || ok1 && (s1 != s2 || t1 != t2) {
+			t.Fatalf("%x: scanner %d %d %v, msgpack %d %d %v", b, s1, t1, ok1, s2, t2, ok2)
+		}
+		if ok1 {
+			accepted++
+		}
+	}
+	for range 20000 {
+		b := appendMeta(nil, rng.Uint64()>>rng.IntN(64), int64(rng.Uint64()>>(1+rng.IntN(63))), rng.Uint64()>>rng.IntN(64))
+		if rng.IntN(2) == 0 {
+			// The application's keys after the producer's: one map of 5.
+			b[0] = 0x85
+			b = append(append(b, 0xa5, 'e', 'x', 't', 'r', 'a'), extra...)
+		}
+		check(b)
+		switch m := slices.Clone(b); rng.IntN(4) {
+		case 0:
+			m[rng.IntN(len(m))] = byte(rng.Uint32())
+			check(m)
+		case 1:
+			check(m[:rng.IntN(len(m))])
+		case 2:
+			i := rng.IntN(len(m) + 1)
+			check(slices.Insert(m, i, byte(rng.Uint32())))
+		case 3:
+			for range 4 {
+				m[rng.IntN(len(m))] = byte(rng.Uint32())
+			}
+			check(m)
+		}
+	}
+	t.Logf("%d inputs compared with the msgpack library (%d accepted), %d malformed ones refused", compared, accepted, refused)
+	if compared < 20000 || accepted < 20000 || refused < 2000 {
+		t.Errorf("too few cases of a kind: the mutations no longer exercise both sides")
+	}
+}
+
+// BenchmarkParseMeta: the consumer's per-batch metadata read, in place
+// (ns/op, 0 allocs) against the msgpack library's Decoder it replaced.
+func BenchmarkParseMeta(b *testing.B) {
+	m := appendMeta(nil, 123456789, 987654321, 1<<20)
+	for _, f := range []struct {
+		name  string
+		parse func([]byte) (uint64, int64, bool)
+	}{{"scan", parseMeta}, {"msgpack", parseMetaMsgpack}} {
+		b.Run(f.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				if _, _, ok := f.parse(m); !ok {
+					b.Fatal("not parsed")
+				}
+			}
+		})
+	}
+}
+
+// TestMonoNow: monoNow reads CLOCK_MONOTONIC, the clock a peer in another
+// process (or Python's time.perf_counter) stamps with, give or take the
+// moment between the two readings it was paired from.
+func TestMonoNow(t *testing.T) {
+	var a, b unix.Timespec
+	for range 1000 {
+		if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &a); err != nil {
+			t.Fatal(err)
+		}
+		m := monoNow()
+		if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &b); err != nil {
+			t.Fatal(err)
+		}
+		// The pairing's two readings were at most a scheduling delay apart.
+		if m < a.Nano()-int64(50*time.Millisecond) || m > b.Nano()+int64(50*time.Millisecond) {
+			t.Fatalf("monoNow %d, CLOCK_MONOTONIC read %d before and %d after", m, a.Nano(), b.Nano())
+		}
 	}
 }
