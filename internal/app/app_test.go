@@ -302,7 +302,9 @@ func TestExplainListenNotASocket(t *testing.T) {
 // parseMetaMsgpack is parseMeta as it was, on the msgpack library: the
 // reference TestMetaScanAgrees holds the in-place scanner to. One change:
 // it refused bytes after the map only when they decoded as a value, so a
-// truncated one passed; now any byte left is refused, as the scanner does.
+// truncated one passed, and it took nil and bin as keys; now any byte left
+// is refused, and keys must be str (PROTOCOL.md section 2.1: the transport
+// refuses metadata with other keys), as the scanner does.
 func parseMetaMsgpack(b []byte) (seq uint64, sentNS int64, ok bool) {
 	r := bytes.NewReader(b)
 	dec := msgpack.NewDecoder(r)
@@ -312,6 +314,9 @@ func parseMetaMsgpack(b []byte) (seq uint64, sentNS int64, ok bool) {
 	}
 	var haveSeq, haveT bool
 	for range n {
+		if c, err := dec.PeekCode(); err != nil || !(c >= 0xa0 && c <= 0xbf || c >= 0xd9 && c <= 0xdb) {
+			return 0, 0, false
+		}
 		key, err := dec.DecodeString()
 		if err != nil {
 			return 0, 0, false
@@ -451,4 +456,26 @@ func TestMonoNow(t *testing.T) {
 			t.Fatalf("monoNow %d, CLOCK_MONOTONIC read %d before and %d after", m, a.Nano(), b.Nano())
 		}
 	}
+}
+
+// FuzzParseMeta: on any bytes the scanner neither panics nor reads past
+// them, refuses what is not one well-formed value, and agrees with the
+// msgpack library on what is (go test -fuzz FuzzParseMeta ./internal/app).
+func FuzzParseMeta(f *testing.F) {
+	f.Add(appendMeta(nil, 123456789, 987654321, 1<<20))
+	f.Add([]byte{0x83, 0xa1, 't', 0xd3, 0, 0, 0, 0, 0, 0, 0, 99, 0xa5, 'o', 't', 'h', 'e', 'r', 0x92, 0xc0, 0xa1, 'x', 0xa5, 'b', 'a', 't', 'c', 'h', 0x07})
+	f.Add([]byte{0xdf, 0xff, 0xff, 0xff, 0xff})
+	f.Fuzz(func(t *testing.T, b []byte) {
+		s1, t1, ok1 := parseMeta(b)
+		w := metaScan{b: b}
+		if w.skip(0); w.bad || w.i != len(b) {
+			if ok1 {
+				t.Fatalf("%x: not one well-formed value, yet the scanner read %d %d", b, s1, t1)
+			}
+			return
+		}
+		if s2, t2, ok2 := parseMetaMsgpack(b); ok1 != ok2 || ok1 && (s1 != s2 || t1 != t2) {
+			t.Fatalf("%x: scanner %d %d %v, msgpack %d %d %v", b, s1, t1, ok1, s2, t2, ok2)
+		}
+	})
 }
