@@ -199,14 +199,9 @@ func (c *Conn) Flush(ctx context.Context) error {
 		if c.written >= target {
 			break
 		}
-		ch := c.progressLocked()
-		c.mu.Unlock()
-		select {
-		case <-ch:
-		case <-ctx.Done():
-			return ctx.Err()
+		if err := c.waitProgressLocked(ctx); err != nil {
+			return err
 		}
-		c.mu.Lock()
 	}
 	c.mu.Unlock()
 	return nil

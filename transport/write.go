@@ -55,14 +55,9 @@ func (c *Conn) lockRoom(ctx context.Context, offer bool) error {
 		if len(c.out) < c.cfg.MaxQueued && (!offer || c.outstanding < c.window) {
 			return nil
 		}
-		ch := c.progressLocked()
-		c.mu.Unlock()
-		select {
-		case <-ch:
-		case <-ctx.Done():
-			return ctx.Err()
+		if err := c.waitProgressLocked(ctx); err != nil {
+			return err
 		}
-		c.mu.Lock()
 	}
 }
 
@@ -134,6 +129,21 @@ func (c *Conn) writeNow() bool {
 		return false
 	}
 	return more
+}
+
+// waitProgressLocked, called with mu held, waits for the writer's next
+// progress (a write, a failure) or the end of ctx. It returns nil with mu
+// held again, or ctx's error with mu released.
+func (c *Conn) waitProgressLocked(ctx context.Context) error {
+	ch := c.progressLocked()
+	c.mu.Unlock()
+	select {
+	case <-ch:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	c.mu.Lock()
+	return nil
 }
 
 func (c *Conn) progressLocked() chan struct{} {
