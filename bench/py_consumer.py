@@ -38,6 +38,20 @@ def out(rep, code):
     return code
 
 
+def batch_of(lease, now, rep, lat):
+    """The producer's batch number from the lease's metadata (PROTOCOL.md
+    4.2), its latency noted in lat; None, counted as a verify error, when
+    the offer has none."""
+    m = lease.meta if isinstance(lease.meta, dict) else {}
+    batch, sent = m.get("batch"), m.get("t")
+    if not isinstance(batch, int):
+        rep["verify_errors"] += 1
+        return None
+    if isinstance(sent, int):
+        lat.append(now - sent)
+    return batch
+
+
 def finish(rep, n, ok, t0, t1, lat):
     """Completes rep from the run (n batches, ok: the data check passed;
     t0, t1: the first and last batch's CLOCK_MONOTONIC ns; lat: one-way
@@ -122,14 +136,10 @@ def main():
                 now = time.monotonic_ns()
                 if t0 is None:
                     t0 = now
-                m = lease.meta if isinstance(lease.meta, dict) else {}
-                batch, sent = m.get("batch"), m.get("t")
-                if not isinstance(batch, int):
-                    rep["verify_errors"] += 1
+                batch = batch_of(lease, now, rep, lat)
+                if batch is None:
                     lease.release()
                     continue
-                if isinstance(sent, int):
-                    lat.append(now - sent)
                 # The capsule, not the lease: torch asks nothing more of us.
                 # (Not torch.as_tensor via __cuda_array_interface__: that
                 # orders only the legacy default stream, and stream is a

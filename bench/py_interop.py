@@ -76,7 +76,7 @@ class Skip(Exception):
     """The framework or a GPU for it is missing: exit 3, not a failure."""
 
 
-from py_consumer import finish, out  # noqa: E402  (the same report line, ended the same way)
+from py_consumer import batch_of, finish, out  # noqa: E402  (the same report line, ended the same way)
 
 
 class _Premade:
@@ -544,14 +544,10 @@ def main():
                 now = time.monotonic_ns()
                 if t0 is None:
                     t0 = now
-                m = lease.meta if isinstance(lease.meta, dict) else {}
-                batch, sent = m.get("batch"), m.get("t")
-                if not isinstance(batch, int):
-                    rep["verify_errors"] += 1
+                batch = batch_of(lease, now, rep, lat)
+                if batch is None:
                     lease.release()
                     continue
-                if isinstance(sent, int):
-                    lat.append(now - sent)
                 fw.check(lease, batch % 251 + 1)  # queues the check, releases the lease after it
                 n += 1
                 t1 = time.monotonic_ns()
