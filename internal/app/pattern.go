@@ -189,13 +189,8 @@ func (s *metaScan) skip(depth int) {
 	case c == 0xdc, c == 0xdd: // array 16/32
 		s.skipN(s.be(2<<(c-0xdc)), depth)
 		return
-	case c == 0xde, c == 0xdf: // map 16/32
-		m := s.be(2 << (c - 0xde))
-		if m > uint64(len(s.b)) {
-			s.bad = true
-			return
-		}
-		s.skipN(2*m, depth)
+	case c == 0xde, c == 0xdf: // map 16/32: keys and values
+		s.skipN(2*s.be(2<<(c-0xde)), depth)
 		return
 	default: // ext types and 0xc1
 		s.bad = true
