@@ -33,6 +33,18 @@ def gobin(tmp_path_factory):
     return out
 
 
+def connected(fake, caps=0, credits=4, **kw):
+    """A consumer connected to a fake producer (the fake fixture), once
+    its hello has arrived as the consumer sends it."""
+    import cudashare
+    f = fake(caps)
+    t = f.serve()
+    c = cudashare.connect(f.path, credits=credits, backend="sim", **kw)
+    t.join(5)
+    assert f.hello[0] == 1 and f.hello[2] == 2 and f.hello[6] == 1 and f.hello[7] == credits
+    return f, c
+
+
 _sharing = {}
 
 

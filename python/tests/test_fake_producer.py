@@ -14,6 +14,7 @@ import pytest
 
 import cudashare
 from cudashare import errors as E
+from conftest import connected
 from fakeproducer import sim_memfd
 
 MiB2 = 1 << 21
@@ -24,15 +25,6 @@ def nest(n):
     for _ in range(n):
         v = [v]
     return v
-
-
-def connected(fake, caps=0, credits=4, **kw):
-    f = fake(caps)
-    t = f.serve()
-    c = cudashare.connect(f.path, credits=credits, backend="sim", **kw)
-    t.join(5)
-    assert f.hello[0] == 1 and f.hello[2] == 2 and f.hello[6] == 1 and f.hello[7] == credits
-    return f, c
 
 
 def expect_error(f, c, code):
@@ -326,10 +318,7 @@ def test_offer_after_writer_side_end_is_void(fake):
     import gc
     import warnings
     from cudashare.errors import ProducerGone
-    f = fake()
-    t = f.serve()
-    c = cudashare.connect(f.path, backend="sim", credits=4, wait=5)
-    t.join(5)
+    f, c = connected(fake, wait=5)
     f.offer(1, size=4096)
     l = c.next(timeout=5)
     # What _send_quiet_frames does when a write times out.

@@ -37,7 +37,8 @@ import warnings
 import pytest
 
 import cudashare
-from fakeproducer import frame, offer_msg  # noqa: E402  (conftest puts tests/ on the path)
+from conftest import connected  # noqa: E402  (conftest puts tests/ on the path)
+from fakeproducer import frame, offer_msg  # noqa: E402
 
 PY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANG = 30.0          # hang guard for one awaited event, never a pass criterion
@@ -474,10 +475,7 @@ def test_error_read_after_a_failed_release_is_the_cause(fake):
     echo (PROTOCOL.md section 7; the Go transport's recvFailed does the
     same). The reader is held off (white-box: its socket token), as the
     stopped process's was."""
-    f = fake()
-    t = f.serve()
-    c = cudashare.connect(f.path, backend="sim", credits=1, wait=5)
-    t.join(5)
+    f, c = connected(fake, credits=1, wait=5)
     try:
         f.offer(1, size=4096)
         l = c.next(timeout=5)
@@ -508,10 +506,7 @@ def test_leases_queued_when_dropped_are_void_not_leaked(fake):
     it leaked (no "garbage-collected without release" warning, which also
     counts them leaked), whether or not the application calls close()."""
     for close in (True, False):
-        f = fake()
-        t = f.serve()
-        c = cudashare.connect(f.path, backend="sim", credits=4, wait=5)
-        t.join(5)
+        f, c = connected(fake, wait=5)
         f.offer(1, size=4096)
         l = c.next(timeout=5)
         # In one write: read in parts, offer 2 could be handed out before
