@@ -89,6 +89,26 @@ func TestHappyPath(t *testing.T) {
 	}
 }
 
+// TestAsyncCatchesWrongContent: -verify async checks its samples only
+// once their copy back is done, with no host wait; it must still judge
+// every batch, and find unwritten buffers wrong (-fill=false: memory
+// nobody wrote cannot hold every batch's pattern).
+func TestAsyncCatchesWrongContent(t *testing.T) {
+	e := newEnv(t, "")
+	prod := e.producer("-fill=false", "-ring", "4", "-size", "64KiB", "-count", "300", "-consumers", "1")
+	c := e.consumer("async", "-verify", "async", "-workers", "2")
+	c.expectExit(app.ExitFailure, 60*time.Second)
+	var r app.ConsumerReport
+	c.report(&r)
+	if r.Handoffs != 300 || r.VerifyErrors == 0 || r.Verified+r.VerifyErrors != r.Handoffs {
+		t.Errorf("%d handoffs: %d verified, %d wrong; want 300, all judged, some wrong", r.Handoffs, r.Verified, r.VerifyErrors)
+	}
+	if r.AsyncWaits == nil {
+		t.Errorf("-verify async reported no async_waits")
+	}
+	prod.producerDone(30 * time.Second)
+}
+
 // TestConsumersComeAndGo: consumers that stop on their own (-count) say
 // goodbye; the producer goes on with the others and with a newcomer, and
 // shuts down cleanly on SIGTERM.

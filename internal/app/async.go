@@ -9,37 +9,58 @@ import (
 	"github.com/seed743c36cf/cudashare/share"
 )
 
-// -verify async: real GPU work per batch with no host wait per batch. Each
-// pool worker has a stream of its own; a batch is copied device to device
-// into the worker's local buffer on that stream (the work a trainer would
-// do), a 16-byte sample of it into one of asyncSlots check slots, and the
-// lease is released stream-ordered after those copies. Once a worker's
-// slots are full it waits for its stream once and checks all of them with
-// one copy back: one host wait per asyncSlots batches.
+// -verify async: real GPU work per batch with no host wait. Each pool
+// worker has a stream of its own; a batch is copied device to device into
+// the worker's local buffer on that stream (the work a trainer would do),
+// a 16-byte sample of it into a check slot, and the lease is released
+// stream-ordered after those copies.
+//
+// The slots come in asyncGroups groups of asyncSlots. Once a group is full,
+// its samples go back to pinned host memory with one asynchronous copy on
+// the stream, and an event is recorded after it; the group is checked when
+// it comes round again, by which time the GPU has long finished with it
+// (a query of the event says so, with no wait). Only a GPU more than
+// (asyncGroups-1) x asyncSlots batches behind the worker makes it wait,
+// and Waits counts those. Until then nothing on the host waits for the
+// GPU, and the checks cost two driver calls per asyncSlots batches.
 
 const (
 	asyncSlots      = 64
+	asyncGroups     = 4
 	asyncSampleSize = 16
 )
 
-// asyncWorker is one pool worker's device buffers, found by its stream.
+// asyncGroup is asyncSlots samples: their batches, and the event recorded
+// after their copy back.
+type asyncGroup struct {
+	ev      *driver.Event
+	seqs    [asyncSlots]uint64
+	lens    [asyncSlots]uint8
+	n       int
+	pending bool // copied back (queued), not yet checked
+}
+
+// asyncWorker is one pool worker's buffers, found by its stream.
 type asyncWorker struct {
 	local     driver.DevicePtr
 	localSize uint64
-	slots     driver.DevicePtr // asyncSlots samples of asyncSampleSize bytes
-	seqs      [asyncSlots]uint64
-	n         int
-	host      [asyncSlots * asyncSampleSize]byte
+	slots     driver.DevicePtr   // asyncGroups x asyncSlots samples on the GPU
+	host      *driver.HostBuffer // their pinned copy
+	groups    [asyncGroups]asyncGroup
+	cur       int
 }
 
 // asyncState holds the workers' buffers.
 type asyncState struct {
 	mu      sync.Mutex
 	workers map[*driver.Stream]*asyncWorker
+	waits   uint64 // times a worker waited for its GPU work to catch up
 }
 
-// worker returns the buffers of the worker whose stream is s, with room
-// for a batch of size bytes.
+const asyncGroupBytes = asyncSlots * asyncSampleSize
+
+// asyncWorker returns the buffers of the worker whose stream is s, with
+// room for a batch of size bytes.
 func (c *consumer) asyncWorker(s *driver.Stream, size uint64) (*asyncWorker, error) {
 	a := &c.async
 	a.mu.Lock()
@@ -49,11 +70,10 @@ func (c *consumer) asyncWorker(s *driver.Stream, size uint64) (*asyncWorker, err
 	}
 	w := a.workers[s]
 	if w == nil {
-		slots, err := c.dev.ctx.Alloc(asyncSlots * asyncSampleSize)
-		if err != nil {
-			return nil, fmt.Errorf("allocate check slots: %w", err)
+		var err error
+		if w, err = c.newAsyncWorker(); err != nil {
+			return nil, err
 		}
-		w = &asyncWorker{slots: slots}
 		a.workers[s] = w
 	}
 	if w.localSize < size {
@@ -70,6 +90,28 @@ func (c *consumer) asyncWorker(s *driver.Stream, size uint64) (*asyncWorker, err
 			return nil, fmt.Errorf("allocate a %s local buffer: %w", FormatSize(size), err)
 		}
 		w.local, w.localSize = p, size
+	}
+	return w, nil
+}
+
+func (c *consumer) newAsyncWorker() (w *asyncWorker, err error) {
+	ctx := c.dev.ctx
+	w = &asyncWorker{}
+	defer func() {
+		if err != nil {
+			c.freeAsyncWorker(w)
+		}
+	}()
+	if w.slots, err = ctx.Alloc(asyncGroups * asyncGroupBytes); err != nil {
+		return nil, fmt.Errorf("allocate check slots: %w", err)
+	}
+	if w.host, err = ctx.AllocHost(asyncGroups * asyncGroupBytes); err != nil {
+		return nil, fmt.Errorf("allocate pinned memory for the checks: %w", err)
+	}
+	for i := range w.groups {
+		if w.groups[i].ev, err = ctx.NewEvent(driver.EventDisableTiming); err != nil {
+			return nil, fmt.Errorf("create a check event: %w", err)
+		}
 	}
 	return w, nil
 }
@@ -92,37 +134,60 @@ func (c *consumer) handleAsync(l *share.Lease, seq uint64, ok bool) error {
 	if !ok {
 		return nil
 	}
-	n := min(asyncSampleSize, l.Size())
-	if err := ctx.CopyDtoDAsync(w.slots+driver.DevicePtr(w.n*asyncSampleSize), l.Ptr(), n, s); err != nil {
-		return fmt.Errorf("sample the batch: %w", err)
-	}
-	w.seqs[w.n] = seq
-	if w.n++; w.n == asyncSlots {
-		if err := s.Synchronize(); err != nil {
+	g := &w.groups[w.cur]
+	if g.pending {
+		// Its last round is still to be checked: done long ago, unless
+		// the GPU is far behind.
+		if err := c.checkGroup(w, w.cur); err != nil {
 			return err
 		}
-		c.checkSlots(w, n)
 	}
+	n := min(asyncSampleSize, l.Size())
+	at := w.slots + driver.DevicePtr(w.cur*asyncGroupBytes+g.n*asyncSampleSize)
+	if err := ctx.CopyDtoDAsync(at, l.Ptr(), n, s); err != nil {
+		return fmt.Errorf("sample the batch: %w", err)
+	}
+	g.seqs[g.n], g.lens[g.n] = seq, uint8(n)
+	if g.n++; g.n < asyncSlots {
+		return nil
+	}
+	// Full: back to the host, checked when the group comes round again.
+	off := w.cur * asyncGroupBytes
+	if err := ctx.CopyDtoHAsync(w.host.Bytes()[off:off+asyncGroupBytes], w.slots+driver.DevicePtr(off), s); err != nil {
+		return fmt.Errorf("copy the samples back: %w", err)
+	}
+	if err := g.ev.Record(s); err != nil {
+		return fmt.Errorf("record the samples' event: %w", err)
+	}
+	g.pending = true
+	w.cur = (w.cur + 1) % asyncGroups
 	return nil
 }
 
-// checkSlots reads a worker's samples back, once its stream is done with
-// them, and checks each against its batch's byte.
-func (c *consumer) checkSlots(w *asyncWorker, n uint64) {
-	if w.n == 0 {
-		return
+// checkGroup checks group i's samples, once its copy back is done: at
+// once if its event says so, else after waiting for it (counted).
+func (c *consumer) checkGroup(w *asyncWorker, i int) error {
+	g := &w.groups[i]
+	done, err := g.ev.Done()
+	if err == nil && !done {
+		c.async.mu.Lock()
+		c.async.waits++
+		c.async.mu.Unlock()
+		err = g.ev.Synchronize()
 	}
-	buf := w.host[:w.n*asyncSampleSize]
-	if err := c.dev.ctx.CopyDtoH(buf, w.slots); err != nil {
-		c.errs.Add(1)
-		c.log.Error("cannot read the samples back from the GPU", "err", err)
-		w.n = 0
-		return
+	if err != nil {
+		return fmt.Errorf("wait for the samples' copy back: %w", err)
 	}
-	for i := range w.n {
-		want := patternByte(w.seqs[i])
+	c.checkSamples(g, w.host.Bytes()[i*asyncGroupBytes:])
+	return nil
+}
+
+// checkSamples compares each of g's samples, in buf, with its batch's byte.
+func (c *consumer) checkSamples(g *asyncGroup, buf []byte) {
+	for i := range g.n {
+		want := patternByte(g.seqs[i])
 		good := true
-		for _, b := range buf[i*asyncSampleSize : i*asyncSampleSize+int(n)] {
+		for _, b := range buf[i*asyncSampleSize : i*asyncSampleSize+int(g.lens[i])] {
 			if b != want {
 				good = false
 				break
@@ -131,10 +196,10 @@ func (c *consumer) checkSlots(w *asyncWorker, n uint64) {
 		if good {
 			c.verified.Add(1)
 		} else if c.verifyErrors.Add(1) <= 10 {
-			c.log.Error("wrong batch content", "seq", w.seqs[i], "want", want)
+			c.log.Error("wrong batch content", "seq", g.seqs[i], "want", want)
 		}
 	}
-	w.n = 0
+	g.n, g.pending = 0, false
 }
 
 // finishAsync checks what the workers sampled since their last check and
@@ -144,13 +209,50 @@ func (c *consumer) finishAsync() {
 	a := &c.async
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	for _, w := range a.workers {
-		c.dev.ctx.Synchronize()
-		c.checkSlots(w, min(asyncSampleSize, c.lastSize.Load()))
-		c.dev.ctx.Free(w.slots)
-		if w.local != 0 {
-			c.dev.ctx.Free(w.local)
+	if len(a.workers) > 0 {
+		if err := c.dev.ctx.Synchronize(); err != nil {
+			c.errs.Add(1)
+			c.log.Error("cannot wait for the GPU work to finish", "err", err)
 		}
 	}
+	for _, w := range a.workers {
+		for i := range w.groups {
+			g := &w.groups[i]
+			if g.n == 0 {
+				continue
+			}
+			buf := w.host.Bytes()[i*asyncGroupBytes : (i+1)*asyncGroupBytes]
+			if !g.pending {
+				// The group being filled: its samples were never copied back.
+				if err := c.dev.ctx.CopyDtoH(buf, w.slots+driver.DevicePtr(i*asyncGroupBytes)); err != nil {
+					c.errs.Add(1)
+					c.log.Error("cannot read the samples back from the GPU", "err", err)
+					g.n = 0
+					continue
+				}
+			}
+			c.checkSamples(g, buf)
+		}
+		c.freeAsyncWorker(w)
+	}
 	a.workers = nil
+	waits := a.waits
+	c.rep.AsyncWaits = &waits
+}
+
+// freeAsyncWorker frees w's buffers and events; the GPU is done with them.
+func (c *consumer) freeAsyncWorker(w *asyncWorker) {
+	ctx := c.dev.ctx
+	for i := range w.groups {
+		if ev := w.groups[i].ev; ev != nil {
+			ev.Close()
+		}
+	}
+	w.host.Close()
+	if w.slots != 0 {
+		ctx.Free(w.slots)
+	}
+	if w.local != 0 {
+		ctx.Free(w.local)
+	}
 }

@@ -98,8 +98,9 @@ type ConsumerReport struct {
 	Verified       uint64    `json:"verified"`
 	VerifyErrors   uint64    `json:"verify_errors"`
 	Errors         uint64    `json:"errors"`
-	BuffersSeen    int       `json:"buffers_seen"` // distinct buffers (pointers) lent: reuse shows as few
-	Mappings       uint64    `json:"mappings"`     // IPC opens: one per allocation, not per batch
+	BuffersSeen    int       `json:"buffers_seen"`          // distinct buffers (pointers) lent: reuse shows as few
+	Mappings       uint64    `json:"mappings"`              // IPC opens: one per allocation, not per batch
+	AsyncWaits     *uint64   `json:"async_waits,omitempty"` // -verify async: times a worker waited for its checks' copy back
 	End            string    `json:"end"`
 	ReadTest       *ReadTest `json:"read_test,omitempty"`
 	Error          string    `json:"error,omitempty"`
