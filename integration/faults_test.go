@@ -244,6 +244,9 @@ func TestUsage(t *testing.T) {
 			if b.name == "producer" && bad[0] == "-verify" {
 				bad = []string{"-ring", "0"}
 			}
+			if b.name == "producer" && bad[0] == "stray" {
+				bad = []string{"-ring", "4", "-group", "5"}
+			}
 			p := e.start(b.name+" "+strings.Join(bad, " "), b.bin, nil, bad...)
 			p.expectExit(app.ExitUsage, 10*time.Second)
 		}

@@ -31,6 +31,9 @@ func TestHappyPath(t *testing.T) {
 		// Stream-ordered: each worker copies its batch on its own stream and
 		// releases after the copy; the producer refills with AcquireOn.
 		{name: "async", consumers: 2, producer: []string{"-ring", "4", "-size", "256KiB", "-count", "1000"}, consumer: []string{"-verify", "async", "-workers", "3"}},
+		// Groups: four buffers taken and filled before any is offered,
+		// and a count that ends inside a group.
+		{name: "async-group", consumers: 2, producer: []string{"-ring", "8", "-group", "4", "-size", "64KiB", "-count", "1002"}, consumer: []string{"-verify", "async", "-workers", "2"}},
 		{name: "async-fresh", consumers: 1, fresh: true, producer: []string{"-fresh", "-ring", "3", "-size", "300KiB", "-count", "400"}, consumer: []string{"-verify", "async", "-workers", "2"}},
 		{name: "verify-byte", consumers: 1, producer: []string{"-ring", "8", "-size", "64KiB", "-count", "600"}, consumer: []string{"-verify", "byte", "-workers", "1", "-credits", "2"}},
 	}

@@ -28,6 +28,7 @@ type producerConfig struct {
 	device          int
 	socket          string
 	ring            int
+	group           int
 	size            uint64
 	fresh           bool
 	count           uint64
@@ -57,6 +58,7 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.IntVar(&cfg.device, "device", 0, "GPU to allocate on, as this process numbers them (CUDA_VISIBLE_DEVICES applies)")
 	fs.StringVar(&cfg.socket, "socket", DefaultSocket(), "Unix socket to listen on; its directory is created with mode 0700")
 	fs.IntVar(&cfg.ring, "ring", 8, "buffers in the ring; with -fresh, how many buffers fit in the arena at once")
+	fs.IntVar(&cfg.group, "group", 1, "take, fill and offer batches this many at a time (at most -ring): on one GPU without MPS, the GPU then switches between this process's work and a consumer's once per group instead of once per batch")
 	fs.Var(sizeFlag{&cfg.size}, "size", "bytes per buffer: 1MiB, 64MiB, 1GiB, ...")
 	fs.BoolVar(&cfg.fresh, "fresh", false, "a fresh buffer per batch, sub-allocated from one arena of -ring buffers (no driver call per buffer; the consumer maps the arena once)")
 	fs.Uint64Var(&cfg.count, "count", 0, "stop after this many batches (0: no limit)")
@@ -81,6 +83,9 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	switch {
 	case cfg.ring < 1:
 		fmt.Fprintln(stderr, "producer: -ring must be at least 1")
+		return ExitUsage
+	case cfg.group < 1 || cfg.group > cfg.ring:
+		fmt.Fprintln(stderr, "producer: -group must be between 1 and -ring")
 		return ExitUsage
 	case cfg.size == 0:
 		fmt.Fprintln(stderr, "producer: -size must be at least 1 byte")
@@ -107,7 +112,7 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	p := &producer{stdout: stdout, cfg: cfg, log: newLogger(stderr, "producer", cfg.verbose)}
 	p.rep = ProducerReport{
 		Role: "producer", Device: cfg.device, Socket: cfg.socket, Mode: "ring", Broadcast: cfg.broadcast,
-		Event: cfg.event, Fill: cfg.fill, Size: cfg.size, Ring: cfg.ring, MemUsedBefore: -1, MemUsedAfter: -1,
+		Event: cfg.event, Fill: cfg.fill, Size: cfg.size, Ring: cfg.ring, Group: cfg.group, MemUsedBefore: -1, MemUsedAfter: -1,
 	}
 	if cfg.fresh {
 		p.rep.Mode = "fresh"
@@ -290,47 +295,62 @@ func (p *producer) serve(ctx context.Context, exp *share.Exporter, dctx *driver.
 	defer cancel()
 
 	meta := make([]byte, 0, 64)
+	group := make([]*share.Buffer, 0, p.cfg.group)
 	start := time.Now()
 	end := start
 	p.rep.End = "count"
-	for seq := uint64(0); p.cfg.count == 0 || seq < p.cfg.count; seq++ {
+	for seq := uint64(0); p.cfg.count == 0 || seq < p.cfg.count; {
 		// Take and Offer return at once when a buffer and a credit are
-		// free, whatever the context: look at it before each batch.
+		// free, whatever the context: look at it before each group.
 		if runCtx.Err() != nil {
 			break
 		}
-		b, err := take(runCtx)
-		if err != nil {
-			if runCtx.Err() != nil {
-				break
-			}
-			return fmt.Errorf("take a buffer for batch %d: %w", seq, err)
+		n := uint64(p.cfg.group)
+		if p.cfg.count > 0 {
+			n = min(n, p.cfg.count-seq)
 		}
-		opts := share.OfferOptions{Meta: appendMeta(meta[:0], seq, monoNow(), b.Size())}
-		if p.cfg.fill {
-			if err := p.fill(dctx, stream, b, seq); err != nil {
+		group = group[:0]
+		var err error
+		for uint64(len(group)) < n && err == nil {
+			var b *share.Buffer
+			if b, err = take(runCtx); err == nil {
+				group = append(group, b)
+			} else {
+				err = fmt.Errorf("take a buffer for batch %d: %w", seq+uint64(len(group)), err)
+			}
+		}
+		if err == nil {
+			err = p.fillGroup(dctx, stream, group, seq)
+		}
+		for i, b := range group {
+			if err == nil {
+				opts := share.OfferOptions{Meta: appendMeta(meta[:0], seq, monoNow(), b.Size())}
+				if p.cfg.fill && p.cfg.event {
+					opts.Stream = stream
+				}
+				if err = p.offer(runCtx, exp, b, opts); err == nil {
+					p.rep.Batches++
+					seq++
+					end = time.Now()
+				} else {
+					err = fmt.Errorf("offer batch %d: %w", seq, err)
+				}
+			}
+			// An arena buffer goes back to the arena once its consumers
+			// release it, so it can be freed right after its offer. A ring
+			// buffer comes back by itself; only one that was not offered
+			// is handed back.
+			if p.cfg.fresh || err != nil {
 				b.Free()
-				return err
 			}
-			if p.cfg.event {
-				opts.Stream = stream
-			}
-		}
-		err = p.offer(runCtx, exp, b, opts)
-		// An arena buffer goes back to the arena once its consumers release
-		// it, so it can be freed right after its offer. A ring buffer comes
-		// back by itself; only one that was not offered is handed back.
-		if p.cfg.fresh || err != nil {
-			b.Free()
+			group[i] = nil
 		}
 		if err != nil {
 			if runCtx.Err() != nil {
 				break
 			}
-			return fmt.Errorf("offer batch %d: %w", seq, err)
+			return err
 		}
-		p.rep.Batches++
-		end = time.Now()
 	}
 	switch {
 	case ctx.Err() != nil:
@@ -354,6 +374,21 @@ func (p *producer) allocFailed(err error) error {
 		return fail(ExitFailure, err, "not enough free memory on GPU %d for %s: use a smaller -ring or -size", p.cfg.device, what)
 	}
 	return fail(ExitFailure, err, "cannot allocate %s on GPU %d", what, p.cfg.device)
+}
+
+// fillGroup fills the group's buffers with batches seq, seq+1, ... (see
+// fill). It fills all of them before any is offered: the GPU then runs the
+// group's fills together, and the consumers' work on them together.
+func (p *producer) fillGroup(dctx *driver.Context, stream *driver.Stream, group []*share.Buffer, seq uint64) error {
+	if !p.cfg.fill {
+		return nil
+	}
+	for i, b := range group {
+		if err := p.fill(dctx, stream, b, seq+uint64(i)); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // fill writes batch seq's pattern into b on the stream. Without -event the

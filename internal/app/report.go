@@ -25,6 +25,7 @@ type ProducerReport struct {
 	Fill        bool    `json:"fill"`
 	Size        uint64  `json:"size"`
 	Ring        int     `json:"ring"`
+	Group       int     `json:"group"`   // batches taken, filled and offered together
 	Batches     uint64  `json:"batches"` // buffers filled and offered
 	Seconds     float64 `json:"seconds"` // from the first batch to the last offer
 	BatchesPerS float64 `json:"batches_per_s"`
