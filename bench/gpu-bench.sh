@@ -25,7 +25,9 @@
 #              batch with -verify none, byte and async (stream-ordered copy
 #              and release; skipped with a note if the consumer has no such
 #              mode), ring of 8 x 1 MiB and fresh 64 MiB, -workers (default
-#              2), credits 8.
+#              2), credits 8; and -verify async on a ring of 32 x 1 MiB,
+#              credits 32, with the producer's -group 16 (batches filled and
+#              offered 16 at a time).
 #   python     the Python consumer (python/, msgpack; PYTHONPATH .gpu/pylib
 #              if the python3 here lacks it) against the Go producer, ring of
 #              8 x 1 MiB, both sharing paths: python -m cudashare consume
@@ -129,6 +131,9 @@ fi
 # Does the consumer have -verify async (stream-ordered release)?
 async=no
 "$BIN/consumer" -h 2>&1 | grep -A3 -e '^  -verify' | grep -qw async && async=yes
+# Does the producer have -group (batches taken, filled and offered together)?
+group=no
+"$BIN/producer" -h 2>&1 | grep -qe '^  -group' && group=yes
 {
 	echo "command: $cmdline"
 	echo "== $(date -u +%Y-%m-%dT%H:%M:%SZ) gpu-bench: driver $driver, $ngpus GPU(s), ${secs}s per row, read test $read_size, consumer -verify async: $async"
@@ -263,6 +268,11 @@ for pair in "${pairs[@]}"; do
 		ours "cudashare-$mode-$g-verify-byte" "$d" "$c" "$workers" 8 byte fill -- "${pargs[@]}"
 		if [ $async = yes ]; then
 			ours "cudashare-$mode-$g-verify-async" "$d" "$c" "$workers" 8 async fill+copy -- "${pargs[@]}"
+			if [ $mode = ring ] && [ $group = yes ]; then
+				# On one GPU without MPS the two processes' GPU work
+				# time-slices: groups of 16 switch once per group.
+				ours "cudashare-ring32-$g-verify-async-g16" "$d" "$c" "$workers" 32 async fill+copy -- -ring 32 -group 16 -size 1MiB
+			fi
 		else
 			sz=$MiB
 			[ $mode = fresh ] && sz=$((64 * MiB))

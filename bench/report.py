@@ -88,14 +88,15 @@ def row(label, pjson, cjson, pexit, cexit, *meta):
     c, cerr = last_json(cjson)
     if c:
         for k in ("driver", "verify", "workers", "credits", "handoffs", "seconds", "handoffs_per_s",
-                  "p50_us", "p99_us", "max_us", "verify_errors", "errors", "verified", "mappings", "read_test", "size"):
+                  "p50_us", "p99_us", "max_us", "verify_errors", "errors", "verified", "mappings", "read_test", "size",
+                  "async_waits"):
             if k in c:
                 out[k] = c[k]
         out["consumer_device"] = c.get("device")
         out["same_device"] = c.get("same_device")
     if p:
         asked = out.get("sharing")
-        for k in ("mode", "ring", "size", "device", "event", "fill", "sharing"):
+        for k in ("mode", "ring", "size", "device", "event", "fill", "sharing", "group"):
             out[k] = p.get(k)
         if asked and p.get("sharing") and p["sharing"] != asked:
             out["error"] = "asked for -sharing %s, the producer took %s: %s" % (asked, p["sharing"], p.get("sharing_why"))
@@ -218,6 +219,8 @@ def work(r):
             w = "fill + event, verify %s" % r.get("verify", "?")
         if r.get("workers"):
             w += ", %s worker%s" % (r["workers"], "" if r["workers"] == 1 else "s")
+        if (r.get("group") or 1) > 1:
+            w += ", groups of %s" % r["group"]
         return w
     if impl == "cupy":
         if r.get("gpu_work") == "none":
