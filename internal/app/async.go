@@ -12,17 +12,24 @@ import (
 // -verify async: real GPU work per batch with no host wait. Each pool
 // worker has a stream of its own; a batch is copied device to device into
 // the worker's local buffer on that stream (the work a trainer would do),
-// a 16-byte sample of it into a check slot, and the lease is released
-// stream-ordered after those copies.
+// and the lease is released stream-ordered after the copy.
+//
+// The same copy leaves a 16-byte sample of the batch to check, with no
+// other driver call: batch k of a round goes to local + 16k. Copies on one
+// stream run in order, so batch k+1, written from local + 16(k+1) on,
+// overwrites all of batch k but its first 16 bytes: after asyncSlots
+// batches, the first asyncSlots x 16 bytes hold each batch's first 16.
+// (The local buffer is that much larger than a batch.)
 //
 // The slots come in asyncGroups groups of asyncSlots. Once a group is full,
 // its samples go back to pinned host memory with one asynchronous copy on
-// the stream, and an event is recorded after it; the group is checked when
-// it comes round again, by which time the GPU has long finished with it
-// (a query of the event says so, with no wait). Only a GPU more than
-// (asyncGroups-1) x asyncSlots batches behind the worker makes it wait,
-// and Waits counts those. Until then nothing on the host waits for the
-// GPU, and the checks cost two driver calls per asyncSlots batches.
+// the stream, queued before any later batch's copy can overwrite them, and
+// an event is recorded after it; the group is checked when it comes round
+// again, by which time the GPU has long finished with it (a query of the
+// event says so, with no wait). Only a GPU more than (asyncGroups-1) x
+// asyncSlots batches behind the worker makes it wait, and Waits counts
+// those. Until then nothing on the host waits for the GPU, and the checks
+// cost two driver calls per asyncSlots batches.
 
 const (
 	asyncSlots      = 64
@@ -42,10 +49,9 @@ type asyncGroup struct {
 
 // asyncWorker is one pool worker's buffers, found by its stream.
 type asyncWorker struct {
-	local     driver.DevicePtr
-	localSize uint64
-	slots     driver.DevicePtr   // asyncGroups x asyncSlots samples on the GPU
-	host      *driver.HostBuffer // their pinned copy
+	local     driver.DevicePtr   // asyncSampleBytes, then room for a batch
+	localSize uint64             // the room for a batch
+	host      *driver.HostBuffer // the samples' pinned copy
 	groups    [asyncGroups]asyncGroup
 	cur       int
 }
@@ -57,7 +63,10 @@ type asyncState struct {
 	waits   uint64 // times a worker waited for its GPU work to catch up
 }
 
-const asyncGroupBytes = asyncSlots * asyncSampleSize
+const (
+	asyncGroupBytes  = asyncSlots * asyncSampleSize
+	asyncSampleBytes = asyncGroups * asyncGroupBytes // the samples at the start of the local buffer
+)
 
 // asyncWorker returns the buffers of the worker whose stream is s, with
 // room for a batch of size bytes.
@@ -77,19 +86,9 @@ func (c *consumer) asyncWorker(s *driver.Stream, size uint64) (*asyncWorker, err
 		a.workers[s] = w
 	}
 	if w.localSize < size {
-		if w.local != 0 {
-			// Work on s may still read the old buffer.
-			if err := s.Synchronize(); err != nil {
-				return nil, err
-			}
-			c.dev.ctx.Free(w.local)
+		if err := c.growLocal(w, s, size); err != nil {
+			return nil, err
 		}
-		p, err := c.dev.ctx.Alloc(size)
-		if err != nil {
-			w.local, w.localSize = 0, 0
-			return nil, fmt.Errorf("allocate a %s local buffer: %w", FormatSize(size), err)
-		}
-		w.local, w.localSize = p, size
 	}
 	return w, nil
 }
@@ -102,10 +101,7 @@ func (c *consumer) newAsyncWorker() (w *asyncWorker, err error) {
 			c.freeAsyncWorker(w)
 		}
 	}()
-	if w.slots, err = ctx.Alloc(asyncGroups * asyncGroupBytes); err != nil {
-		return nil, fmt.Errorf("allocate check slots: %w", err)
-	}
-	if w.host, err = ctx.AllocHost(asyncGroups * asyncGroupBytes); err != nil {
+	if w.host, err = ctx.AllocHost(asyncSampleBytes); err != nil {
 		return nil, fmt.Errorf("allocate pinned memory for the checks: %w", err)
 	}
 	for i := range w.groups {
@@ -116,6 +112,30 @@ func (c *consumer) newAsyncWorker() (w *asyncWorker, err error) {
 	return w, nil
 }
 
+// growLocal gives w a local buffer with room for a batch of size bytes,
+// moving the samples taken so far.
+func (c *consumer) growLocal(w *asyncWorker, s *driver.Stream, size uint64) error {
+	ctx := c.dev.ctx
+	p, err := ctx.Alloc(asyncSampleBytes + size)
+	if err != nil {
+		return fmt.Errorf("allocate a %s local buffer: %w", FormatSize(size), err)
+	}
+	if w.local != 0 {
+		// Work on s may still read or write the old buffer; the group
+		// being filled has samples nowhere else. Rare: the host waits.
+		if err := s.Synchronize(); err == nil {
+			err = ctx.CopyDtoD(p, w.local, asyncSampleBytes)
+		}
+		if err != nil {
+			ctx.Free(p)
+			return err
+		}
+		ctx.Free(w.local)
+	}
+	w.local, w.localSize = p, size
+	return nil
+}
+
 // handleAsync is one batch of -verify async on the lease's stream. The
 // pool releases the lease stream-ordered after it returns.
 func (c *consumer) handleAsync(l *share.Lease, seq uint64, ok bool) error {
@@ -123,37 +143,43 @@ func (c *consumer) handleAsync(l *share.Lease, seq uint64, ok bool) error {
 	if s == nil {
 		return errors.New("-verify async: a lease without a worker stream")
 	}
-	w, err := c.asyncWorker(s, l.Size())
+	return c.asyncBatch(s, l.Ptr(), l.Size(), seq, ok)
+}
+
+// asyncBatch queues the work on batch seq, size bytes at ptr, on the
+// worker's stream s; ok: its metadata was read, so it can be checked.
+func (c *consumer) asyncBatch(s *driver.Stream, ptr driver.DevicePtr, size, seq uint64, ok bool) error {
+	w, err := c.asyncWorker(s, size)
 	if err != nil {
 		return err
 	}
-	ctx := c.dev.ctx
-	if err := ctx.CopyDtoDAsync(w.local, l.Ptr(), l.Size(), s); err != nil {
-		return fmt.Errorf("copy the batch on the worker's stream: %w", err)
-	}
-	if !ok {
-		return nil
-	}
 	g := &w.groups[w.cur]
-	if g.pending {
+	if ok && g.pending {
 		// Its last round is still to be checked: done long ago, unless
 		// the GPU is far behind.
 		if err := c.checkGroup(w, w.cur); err != nil {
 			return err
 		}
 	}
-	n := min(asyncSampleSize, l.Size())
-	at := w.slots + driver.DevicePtr(w.cur*asyncGroupBytes+g.n*asyncSampleSize)
-	if err := ctx.CopyDtoDAsync(at, l.Ptr(), n, s); err != nil {
-		return fmt.Errorf("sample the batch: %w", err)
+	// The batch goes where its first bytes are this slot's sample; a batch
+	// that cannot be checked (!ok) is copied there too, and the next one
+	// overwrites it.
+	ctx := c.dev.ctx
+	at := w.local + driver.DevicePtr(w.cur*asyncGroupBytes+g.n*asyncSampleSize)
+	if err := ctx.CopyDtoDAsync(at, ptr, size, s); err != nil {
+		return fmt.Errorf("copy the batch on the worker's stream: %w", err)
 	}
-	g.seqs[g.n], g.lens[g.n] = seq, uint8(n)
+	if !ok {
+		return nil
+	}
+	g.seqs[g.n], g.lens[g.n] = seq, uint8(min(asyncSampleSize, size))
 	if g.n++; g.n < asyncSlots {
 		return nil
 	}
-	// Full: back to the host, checked when the group comes round again.
+	// Full: back to the host before any later copy overwrites it, and
+	// checked when the group comes round again.
 	off := w.cur * asyncGroupBytes
-	if err := ctx.CopyDtoHAsync(w.host.Bytes()[off:off+asyncGroupBytes], w.slots+driver.DevicePtr(off), s); err != nil {
+	if err := ctx.CopyDtoHAsync(w.host.Bytes()[off:off+asyncGroupBytes], w.local+driver.DevicePtr(off), s); err != nil {
 		return fmt.Errorf("copy the samples back: %w", err)
 	}
 	if err := g.ev.Record(s); err != nil {
@@ -224,7 +250,7 @@ func (c *consumer) finishAsync() {
 			buf := w.host.Bytes()[i*asyncGroupBytes : (i+1)*asyncGroupBytes]
 			if !g.pending {
 				// The group being filled: its samples were never copied back.
-				if err := c.dev.ctx.CopyDtoH(buf, w.slots+driver.DevicePtr(i*asyncGroupBytes)); err != nil {
+				if err := c.dev.ctx.CopyDtoH(buf, w.local+driver.DevicePtr(i*asyncGroupBytes)); err != nil {
 					c.errs.Add(1)
 					c.log.Error("cannot read the samples back from the GPU", "err", err)
 					g.n = 0
@@ -249,9 +275,6 @@ func (c *consumer) freeAsyncWorker(w *asyncWorker) {
 		}
 	}
 	w.host.Close()
-	if w.slots != 0 {
-		ctx.Free(w.slots)
-	}
 	if w.local != 0 {
 		ctx.Free(w.local)
 	}
