@@ -123,7 +123,8 @@ func (c *consumer) growLocal(w *asyncWorker, s *driver.Stream, size uint64) erro
 	if w.local != 0 {
 		// Work on s may still read or write the old buffer; the group
 		// being filled has samples nowhere else. Rare: the host waits.
-		if err := s.Synchronize(); err == nil {
+		err := s.Synchronize()
+		if err == nil {
 			err = ctx.CopyDtoD(p, w.local, asyncSampleBytes)
 		}
 		if err != nil {

@@ -320,7 +320,13 @@ func (p *producer) serve(ctx context.Context, exp *share.Exporter, dctx *driver.
 			}
 		}
 		if err == nil {
-			err = p.fillGroup(dctx, stream, group, seq)
+			if ferr := p.fillGroup(dctx, stream, group, seq); ferr != nil {
+				// A driver failure, whatever the context says.
+				for _, b := range group {
+					b.Free()
+				}
+				return ferr
+			}
 		}
 		for i, b := range group {
 			if err == nil {
