@@ -12,6 +12,17 @@ import (
 	"github.com/seed743c36cf/cudashare/share"
 )
 
+// lostSendSetup starts an exporter with n consumer processes (params as
+// startConsumers takes them).
+func lostSendSetup(t *testing.T, n int, params ...string) (*sharetest.Env, *share.Exporter, context.Context) {
+	t.Helper()
+	env := sharetest.Setup(t)
+	e := newExporter(t, env)
+	ctx := sharetest.Ctx(t)
+	startConsumers(t, e, n, params...)
+	return env, e, ctx
+}
+
 func lostSendRing(t *testing.T, env *sharetest.Env, e *share.Exporter, n int) (*share.Ring, *share.Buffer) {
 	t.Helper()
 	if sh, why := e.Sharing(); sh != share.SharingVMM {
@@ -29,10 +40,7 @@ func lostSendRing(t *testing.T, env *sharetest.Env, e *share.Exporter, n int) (*
 func TestConsumerLostDuringSend(t *testing.T) {
 	for _, delivered := range []bool{false, true} {
 		t.Run(fmt.Sprintf("delivered=%v", delivered), func(t *testing.T) {
-			env := sharetest.Setup(t)
-			e := newExporter(t, env)
-			ctx := sharetest.Ctx(t)
-			startConsumers(t, e, 2)
+			env, e, ctx := lostSendSetup(t, 2)
 			r, b := lostSendRing(t, env, e, 1)
 			opts := share.OfferOptions{Meta: sharetest.Meta(0)}
 			lent, err := share.LendToConsumerLostDuringSend(ctx, e, b, opts, delivered)
@@ -77,13 +85,9 @@ func TestConsumerLostDuringSend(t *testing.T) {
 func TestLostDuringSendProcessServedLast(t *testing.T) {
 	for _, deferred := range []bool{false, true} {
 		t.Run(fmt.Sprintf("deferred=%v", deferred), func(t *testing.T) {
-			env := sharetest.Setup(t)
-			e := newExporter(t, env)
-			ctx := sharetest.Ctx(t)
 			// Their processes outlive their connections, as a lost
 			// consumer's that may still read what it mapped does.
-			linger := sharetest.EnvParam(sharetest.ParamLinger, 1)
-			startConsumers(t, e, 2, linger)
+			env, e, ctx := lostSendSetup(t, 2, sharetest.EnvParam(sharetest.ParamLinger, 1))
 			_, b := lostSendRing(t, env, e, 2)
 			opts := share.OfferOptions{Meta: sharetest.Meta(0)}
 			var (
@@ -121,10 +125,7 @@ func TestLostDuringSendProcessServedLast(t *testing.T) {
 func TestBroadcastWithAConsumerLost(t *testing.T) {
 	for _, sentFirst := range []bool{false, true} {
 		t.Run(fmt.Sprintf("sentFirst=%v", sentFirst), func(t *testing.T) {
-			env := sharetest.Setup(t)
-			e := newExporter(t, env)
-			ctx := sharetest.Ctx(t)
-			startConsumers(t, e, 3)
+			env, e, ctx := lostSendSetup(t, 3)
 			_, b := lostSendRing(t, env, e, 1)
 			n, err := share.BroadcastLosingFirst(ctx, e, b, share.OfferOptions{Meta: sharetest.Meta(0)}, sentFirst, 50*time.Millisecond)
 			s := e.Stats()
@@ -141,10 +142,7 @@ func TestBroadcastWithAConsumerLost(t *testing.T) {
 func TestArenaConsumerLostDuringSend(t *testing.T) {
 	for _, delivered := range []bool{false, true} {
 		t.Run(fmt.Sprintf("delivered=%v", delivered), func(t *testing.T) {
-			env := sharetest.Setup(t)
-			e := newExporter(t, env)
-			ctx := sharetest.Ctx(t)
-			startConsumers(t, e, 2)
+			env, e, ctx := lostSendSetup(t, 2)
 			if sh, _ := e.Sharing(); sh != share.SharingVMM {
 				t.Skip("vmm")
 			}
