@@ -76,6 +76,19 @@ type Config struct {
 	// closed. 0 means 8. Peers whose pid reads 0 count together against
 	// max(MaxHandshakesPerPeer, MaxHandshakes/2).
 	MaxHandshakesPerPeer int
+	// DisableRing keeps the connection's frames on the socket. Otherwise
+	// this side advertises CapRing, and with a peer that does too the
+	// frames go through two rings in shared memory, and the socket only
+	// wakes a sleeping reader and carries descriptors, errors and the
+	// end: no system call per message while both sides are busy.
+	DisableRing bool
+	// RingSpin is how long a receive on a ring connection polls the ring,
+	// yielding, before it sleeps on the socket; it polls only while
+	// messages have been coming about that often (within 4x), so an idle
+	// or slow connection costs no CPU. Polling burns a CPU thread for up
+	// to that long per wait, and saves the peer a system call and this
+	// side a wake-up. 0 means 50µs; negative, never.
+	RingSpin time.Duration
 	// Logger receives refusals and failed handshakes. Nil means
 	// slog.Default().
 	Logger *slog.Logger
@@ -98,6 +111,7 @@ func DefaultConfig(role Role) Config {
 		// A real peer completes its handshake in microseconds: a few per
 		// process cover one that dials many connections at once.
 		MaxHandshakesPerPeer: 8,
+		RingSpin:             50 * time.Microsecond,
 		Logger:               slog.Default(),
 	}
 }
@@ -151,6 +165,9 @@ func (cfg Config) resolve() (Config, error) {
 	if err := cfg.resolveLimits(&def); err != nil {
 		return cfg, err
 	}
+	if cfg.RingSpin == 0 {
+		cfg.RingSpin = def.RingSpin
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = def.Logger
 	}
@@ -198,6 +215,9 @@ func (cfg *Config) caps() Caps {
 	}
 	if cfg.ReleaseEvents {
 		c |= CapReleaseEvents
+	}
+	if !cfg.DisableRing {
+		c |= CapRing
 	}
 	return c
 }

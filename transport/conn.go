@@ -30,6 +30,14 @@ import (
 // an error writing it later fails the connection, and the next call
 // reports it. Flush waits until everything queued has been written.
 //
+// When both sides advertise CapRing (the Go default; Config.DisableRing),
+// the frames go through two rings in memory the processes share
+// (ring.go, PROTOCOL.md section 2.3) instead of the socket: a send then
+// writes into the ring at once, a receive polls the ring briefly
+// (Config.RingSpin) before it sleeps on the socket, and the socket only
+// wakes a sleeping reader and carries descriptors, errors and the end.
+// Everything else here holds the same for both.
+//
 // A Conn enforces the protocol on what it receives (order, direction,
 // flow control) and on what it is asked to send. Any violation by the peer
 // fails the connection: Recv returns the error, the peer is sent an error
@@ -61,6 +69,23 @@ type Conn struct {
 	handshaking bool
 	rd          readOp
 	watch       ctxWatch
+	// Ring mode (ring.go), under rmu: sbuf[sr:sw] is what the socket
+	// brought and no frame has taken yet, sockEnd how the socket ended
+	// (the ring is read to its end first), gap the last wait for the
+	// ring. askRing is set while a dialer that asked for a ring waits for
+	// the segment with the hello-ack.
+	sbuf     []byte
+	sr, sw   int
+	sockEnd  int
+	gap      time.Duration
+	askRing  bool
+	ringGone bool // unmapped by Close; under rmu and ringMu
+
+	// ring is the segment of a ring connection, nil on a socket one. The
+	// write side holds ringMu shared while it writes into the segment;
+	// Close holds it, and rmu, to unmap it.
+	ring   *ringSeg
+	ringMu sync.RWMutex
 
 	// Send side and flow control, under mu.
 	mu               sync.Mutex
@@ -86,6 +111,11 @@ type Conn struct {
 	// part of a stream, and waits for the writer to batch it.
 	lastWrite time.Time
 	wr        writeOp
+	// Ring mode, for the write side's owner: bellLeft is what the socket
+	// did not take of the last doorbell; ringTimer paces the wait for
+	// room in a full ring.
+	bellLeft  int
+	ringTimer *time.Timer
 
 	kick       chan struct{} // wakes the writer
 	dying      chan struct{} // closed with the first failure
@@ -138,12 +168,20 @@ func newConn(nc *net.UnixConn, cfg Config, cred *unix.Ucred) (*Conn, error) {
 		op.n, op.oobn, op.flags, op.errno = recvmsg(int(fd), op.p, op.oob)
 		return op.errno != unix.EAGAIN
 	}
+	c.rd.now = func(fd uintptr) {
+		op := &c.rd
+		op.n, op.oobn, op.flags, op.errno = recvmsg(int(fd), op.p, op.oob)
+	}
 	return c, nil
 }
 
 // Peer returns what is known of the other side. Its Devices must not be
 // modified.
 func (c *Conn) Peer() Peer { return c.peer }
+
+// Ring reports whether the connection carries its frames through rings
+// in shared memory (CapRing on both sides) rather than on the socket.
+func (c *Conn) Ring() bool { return c.ring != nil }
 
 // Credits returns how many more offers may be outstanding on the
 // connection now: the window the consumer granted less the offers not yet
@@ -274,7 +312,12 @@ func (c *Conn) setFailure(err error) (first bool, cause error) {
 // writeError writes an error message straight to the socket, briefly.
 // The caller owns the socket's write side.
 func (c *Conn) writeError(code uint32, text string) {
-	tell(c.nc, code, text)
+	var pre []byte
+	if c.bellLeft > 0 {
+		// Finish the doorbell cut short, so that the error is a frame.
+		pre = bell[:c.bellLeft:c.bellLeft]
+	}
+	tell(c.nc, pre, code, text)
 }
 
 // failure returns the connection's failure.
@@ -323,6 +366,14 @@ func (c *Conn) Close() error {
 		c.rmu.Lock()
 		closeFDs(c.fdq)
 		c.fdq = c.fdq[:0]
+		if c.ring != nil {
+			// Recv is out (rmu) and a writer in the ring holds ringMu:
+			// nothing can touch the segment from here on.
+			c.ringMu.Lock()
+			c.ringGone = true
+			c.ring.unmap()
+			c.ringMu.Unlock()
+		}
 		c.watch.mu.Lock()
 		if c.watch.stop != nil {
 			c.watch.stop()

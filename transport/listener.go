@@ -419,16 +419,17 @@ func (l *Listener) removePendingLocked(hs *pendingHandshake) {
 // closes the connection.
 func refuse(nc *net.UnixConn, cfg *Config, cred *unix.Ucred, err error) {
 	cfg.Logger.Warn("transport: refused connection", "uid", cred.Uid, "pid", cred.Pid, "err", err)
-	tell(nc, codeOf(err), err.Error())
+	tell(nc, nil, codeOf(err), err.Error())
 	nc.Close()
 }
 
 // tell sends an error message to a peer about to be dropped, on a
 // best-effort basis: a new connection's socket has room for it, and one
 // that does not read gets errorWriteTimeout at most.
-func tell(nc *net.UnixConn, code uint32, text string) {
+// pre, if any, goes first.
+func tell(nc *net.UnixConn, pre []byte, code uint32, text string) {
 	nc.SetWriteDeadline(time.Now().Add(errorWriteTimeout))
-	nc.Write(appendError(nil, code, text))
+	nc.Write(appendError(pre, code, text))
 }
 
 // checkPeer reads the peer's credentials and refuses a peer whose user is
@@ -446,7 +447,7 @@ func checkPeer(nc *net.UnixConn, cfg *Config, where string) (*unix.Ucred, error)
 	cfg.Logger.Warn("transport: refused peer", "at", where,
 		"uid", cred.Uid, "gid", cred.Gid, "pid", cred.Pid, "allowed_uids", cfg.AllowedUIDs)
 	text := fmt.Sprintf("uid %d is not allowed by %s", cred.Uid, where)
-	tell(nc, codePeerRefused, text)
+	tell(nc, nil, codePeerRefused, text)
 	return nil, fmt.Errorf("%w: pid %d uid %d: %s", ErrPeerRefused, cred.Pid, cred.Uid, text)
 }
 
@@ -508,6 +509,7 @@ func (c *Conn) handshake(ctx context.Context, dialer bool, admit func(*Conn) err
 
 	var werr error
 	if dialer {
+		c.askRing = mine.caps&CapRing != 0
 		mine.kind = KindHello
 		_, werr = c.nc.Write(appendHello(nil, &mine))
 		// Read the answer even if the write failed: a listener that
@@ -543,10 +545,13 @@ func (c *Conn) handshake(ctx context.Context, dialer bool, admit func(*Conn) err
 			return c.handshakeFailed(err, true)
 		}
 	}
-	if !dialer {
-		if _, err := c.nc.Write(appendHello(nil, &mine)); err != nil {
-			return c.handshakeFailed(writeErr(err), false)
+	ring := mine.caps&CapRing != 0 && theirs.caps&CapRing != 0
+	if dialer {
+		if err := c.takeRing(ring); err != nil {
+			return c.handshakeFailed(err, true)
 		}
+	} else if err := c.answer(&mine, ring); err != nil {
+		return c.handshakeFailed(err, false)
 	}
 	if !stop() {
 		return c.handshakeFailed(ctx.Err(), false)
@@ -554,8 +559,70 @@ func (c *Conn) handshake(ctx context.Context, dialer bool, admit func(*Conn) err
 	if err := c.nc.SetDeadline(time.Time{}); err != nil {
 		return c.handshakeFailed(err, false)
 	}
+	if c.ring != nil {
+		// Anything the peer wrote after its hello is on the socket: it
+		// can only be doorbells or an error, and is read as such.
+		c.sbuf = make([]byte, max(256, c.w-c.r))
+		c.sw = copy(c.sbuf, c.rbuf[c.r:c.w])
+		c.r, c.w = 0, 0
+	}
 	c.writerDone = make(chan struct{})
 	go c.writeLoop()
+	return nil
+}
+
+// answer sends the listener's hello-ack, with a ring segment if ring, or
+// on the socket alone if one cannot be made.
+func (c *Conn) answer(mine *hello, ring bool) error {
+	var seg *ringSeg
+	fd := -1
+	if ring {
+		var err error
+		if seg, fd, err = newRingSeg(); err != nil {
+			c.cfg.Logger.Warn("transport: no ring for this connection; its frames go on the socket", "peer", c.desc, "err", err)
+			mine.caps &^= CapRing
+		}
+	}
+	msg := appendHello(nil, mine)
+	if seg == nil {
+		_, err := c.nc.Write(msg)
+		return writeErr(err)
+	}
+	n, _, err := c.nc.WriteMsgUnix(msg, unix.UnixRights(fd), nil)
+	unix.Close(fd)
+	if err == nil && n < len(msg) {
+		err = fmt.Errorf("hello-ack cut short after %d bytes", n)
+	}
+	if err != nil {
+		seg.unmap()
+		return writeErr(err)
+	}
+	c.ring = seg
+	return nil
+}
+
+// takeRing maps the segment that came with the hello-ack if both sides
+// advertised CapRing. Nothing else may come with it.
+func (c *Conn) takeRing(ring bool) error {
+	defer func() {
+		closeFDs(c.fdq)
+		c.fdq = c.fdq[:0]
+		c.askRing = false
+	}()
+	if !ring {
+		if len(c.fdq) > 0 {
+			return malformed("%d descriptors with a hello-ack without the ring capability", len(c.fdq))
+		}
+		return nil
+	}
+	if len(c.fdq) != 1 {
+		return malformed("hello-ack with the ring capability and %d descriptors, want 1 (the segment)", len(c.fdq))
+	}
+	seg, err := openRingSeg(c.fdq[0])
+	if err != nil {
+		return err
+	}
+	c.ring = seg
 	return nil
 }
 

@@ -21,6 +21,7 @@ import (
 // once per Conn so that a read does not allocate.
 type readOp struct {
 	fn      func(fd uintptr) bool
+	now     func(fd uintptr) // one recvmsg, for RawConn.Control
 	p, oob  []byte
 	n, oobn int
 	flags   int
@@ -103,7 +104,7 @@ func (c *Conn) readFrame(ctx context.Context) ([]byte, error) {
 			c.r, c.w = 0, 0
 			// Descriptors arrive with the first byte of the message
 			// that claims them, so with nothing buffered they are stray.
-			if len(c.fdq) > 0 {
+			if len(c.fdq) > 0 && c.ring == nil {
 				return nil, malformed("%d descriptors arrived with no message", len(c.fdq))
 			}
 		}
@@ -130,9 +131,39 @@ func (c *Conn) growRead(need int) {
 	c.rbuf = b
 }
 
-// fill reads what the socket has into rbuf[w:], waiting for at least a
-// byte; avail is the number of bytes of a partial frame buffered.
+// fill reads what the socket (or the ring) has into rbuf[w:], waiting for
+// at least a byte; avail is the number of bytes of a partial frame
+// buffered.
 func (c *Conn) fill(ctx context.Context, avail int) error {
+	if c.ring != nil && !c.handshaking {
+		return c.fillRing(ctx, avail)
+	}
+	if err := c.armWait(ctx, avail); err != nil {
+		return err
+	}
+	n, end, err := c.readSocket(ctx, c.rbuf[c.w:], avail)
+	if err != nil {
+		return err
+	}
+	if end != 0 {
+		return c.endErr(avail, end)
+	}
+	c.w += n
+	c.grewFull()
+	return nil
+}
+
+// grewFull grows rbuf after a read that filled it: more is probably
+// waiting, so read more at a time from now on.
+func (c *Conn) grewFull() {
+	if c.w == len(c.rbuf) && len(c.rbuf) < c.rbufMax {
+		c.growRead(2 * len(c.rbuf))
+	}
+}
+
+// armWait sets what may end the wait for the next read: the rest of a
+// partial frame's FrameTimeout, and ctx.
+func (c *Conn) armWait(ctx context.Context, avail int) error {
 	if !c.handshaking {
 		// The rest of a partial frame must arrive within FrameTimeout;
 		// with nothing buffered, there is no deadline. This comes before
@@ -164,59 +195,82 @@ func (c *Conn) fill(ctx context.Context, avail int) error {
 	} else if c.watch.done != nil {
 		c.armRead(ctx, nil)
 	}
+	return nil
+}
+
+// How the socket ended, once read: end of stream, or reset.
+const (
+	sockEOF   = 1
+	sockReset = 2
+)
+
+// readSocket reads what the socket has into p, waiting for at least a byte,
+// and queues the descriptors that came with it. It returns the bytes read,
+// or how the socket ended.
+func (c *Conn) readSocket(ctx context.Context, p []byte, avail int) (n, end int, err error) {
 	op := &c.rd
-	op.p = c.rbuf[c.w:]
+	op.p = p
 	if err := c.rc.Read(op.fn); err != nil {
 		switch {
 		case errors.Is(err, os.ErrDeadlineExceeded):
 			if err := ctx.Err(); err != nil {
-				return err
+				return 0, 0, err
 			}
 			if c.handshaking {
-				return fmt.Errorf("%w: no answer within %v", ErrHandshake, c.cfg.HandshakeTimeout)
+				return 0, 0, fmt.Errorf("%w: no answer within %v", ErrHandshake, c.cfg.HandshakeTimeout)
 			}
 			if !c.rdl.IsZero() && !time.Now().Before(c.rdl) {
-				return fmt.Errorf("%w: a frame cut off after %d bytes for %v (FrameTimeout)", ErrTimeout, avail, c.cfg.FrameTimeout)
+				return 0, 0, fmt.Errorf("%w: a frame cut off after %d bytes for %v (FrameTimeout)", ErrTimeout, avail, c.cfg.FrameTimeout)
 			}
 			// A deadline left by a context no longer watched.
-			return c.nc.SetReadDeadline(c.rdl)
+			return 0, 0, c.nc.SetReadDeadline(c.rdl)
 		case errors.Is(err, net.ErrClosed):
-			return c.failure()
+			return 0, 0, c.failure()
 		}
-		return err
+		return 0, 0, err
 	}
+	return c.took()
+}
+
+// took finishes a recvmsg made with c.rd.
+func (c *Conn) took() (n, end int, err error) {
+	op := &c.rd
+	op.p = nil
 	if op.errno != 0 {
-		if op.errno == unix.ECONNRESET && c.bye && avail == 0 {
+		if op.errno == unix.ECONNRESET {
+			return 0, sockReset, nil
+		}
+		return 0, 0, fmt.Errorf("recvmsg: %w", op.errno)
+	}
+	if op.oobn > 0 || op.flags&unix.MSG_CTRUNC != 0 {
+		if err := c.takeFDs(op.oob[:op.oobn], op.flags); err != nil {
+			return 0, 0, err
+		}
+	}
+	if op.n == 0 {
+		return 0, sockEOF, nil
+	}
+	return op.n, 0, nil
+}
+
+// endErr is what Recv returns for the end of the socket, with avail bytes
+// of a partial frame buffered.
+func (c *Conn) endErr(avail, end int) error {
+	if end == sockReset {
+		if c.bye && avail == 0 {
 			// The peer closed with our messages unread: after its
 			// goodbye, that is still a clean end.
 			return io.EOF
 		}
-		if op.errno == unix.ECONNRESET {
-			return fmt.Errorf("%w: %w", ErrDisconnected, op.errno)
-		}
-		return fmt.Errorf("recvmsg: %w", op.errno)
+		return fmt.Errorf("%w: %w", ErrDisconnected, unix.ECONNRESET)
 	}
-	if op.oobn > 0 || op.flags&unix.MSG_CTRUNC != 0 {
-		if err := c.takeFDs(op.oob[:op.oobn], op.flags); err != nil {
-			return err
-		}
+	switch {
+	case avail > 0:
+		return fmt.Errorf("%w: %w: frame cut off after %d bytes", ErrDisconnected, io.ErrUnexpectedEOF, avail)
+	case c.bye:
+		return io.EOF
 	}
-	if op.n == 0 {
-		switch {
-		case avail > 0:
-			return fmt.Errorf("%w: %w: frame cut off after %d bytes", ErrDisconnected, io.ErrUnexpectedEOF, avail)
-		case c.bye:
-			return io.EOF
-		}
-		return fmt.Errorf("%w: connection closed without goodbye", ErrDisconnected)
-	}
-	c.w += op.n
-	if c.w == len(c.rbuf) && len(c.rbuf) < c.rbufMax {
-		// The read filled the buffer: more is probably waiting, so
-		// read more at a time from now on.
-		c.growRead(2 * len(c.rbuf))
-	}
-	return nil
+	return fmt.Errorf("%w: connection closed without goodbye", ErrDisconnected)
 }
 
 // takeFDs queues the descriptors of one recvmsg, or closes them and fails.
@@ -228,10 +282,10 @@ func (c *Conn) takeFDs(oob []byte, flags int) error {
 	switch {
 	case flags&unix.MSG_CTRUNC != 0:
 		err = malformed("more than %d descriptors with one message", MaxFDs)
-	case !c.cfg.AcceptFDs:
+	case !c.cfg.AcceptFDs && !(c.handshaking && c.askRing):
 		err = fmt.Errorf("%w: %d descriptors, and this side did not advertise CapFDs", ErrUnexpectedMessage, len(fds))
-	case len(c.fdq)+len(fds) > MaxFDs:
-		err = malformed("%d descriptors pending, limit %d", len(c.fdq)+len(fds), MaxFDs)
+	case len(c.fdq)+len(fds) > c.fdLimit():
+		err = malformed("%d descriptors pending, limit %d", len(c.fdq)+len(fds), c.fdLimit())
 	}
 	if err != nil {
 		closeFDs(fds)
@@ -239,6 +293,16 @@ func (c *Conn) takeFDs(oob []byte, flags int) error {
 	}
 	c.fdq = append(c.fdq, fds...)
 	return nil
+}
+
+// fdLimit is the most descriptors that may wait for their message. On a
+// ring connection, those of the next offer may come before the one being
+// taken has claimed its own (PROTOCOL.md section 2.3).
+func (c *Conn) fdLimit() int {
+	if c.ring != nil {
+		return 2 * MaxFDs
+	}
+	return MaxFDs
 }
 
 // armRead registers ctx (whose Done channel is done) to interrupt reads.
@@ -297,6 +361,12 @@ func (c *Conn) admit(kind Kind, m *Message) error {
 			// Descriptors to a side that did not ask for them, whether
 			// or not any came: PROTOCOL.md section 5.
 			return fmt.Errorf("%w: offer declares %d descriptors, and this side did not advertise CapFDs", ErrUnexpectedMessage, nfds)
+		}
+		if nfds > len(c.fdq) && c.ring != nil {
+			// They left on the socket before the offer entered the ring.
+			if err := c.pullSocket(nfds); err != nil {
+				return err
+			}
 		}
 		if nfds > len(c.fdq) {
 			return malformed("offer declares %d descriptors, %d arrived", nfds, len(c.fdq))

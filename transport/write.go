@@ -69,7 +69,9 @@ func (c *Conn) lockRoom(ctx context.Context, offer bool) error {
 // by then in one go.
 func (c *Conn) unlockAndKick(off int) {
 	c.queued += uint64(len(c.out) - off)
-	if c.writing || len(c.outFDs) > 0 || time.Since(c.lastWrite) < streamGap {
+	// A write into the ring costs no system call: write at once if the
+	// ring is free, whatever the stream.
+	if c.writing || len(c.outFDs) > 0 || (c.ring == nil && time.Since(c.lastWrite) < streamGap) {
 		c.mu.Unlock()
 		c.kickWriter()
 		return
@@ -94,19 +96,27 @@ func (c *Conn) writeNow() bool {
 	buf := c.out
 	c.out = c.spare[:0]
 	c.mu.Unlock()
-	op := &c.wr
-	op.p, op.oob, op.wait, op.n, op.errno = buf, nil, false, 0, 0
-	err := c.rc.Write(op.fn)
-	op.p = nil
-	n := op.n
-	if err == nil && op.errno != 0 && op.errno != unix.EAGAIN {
-		err = op.errno
+	var n int
+	var err error
+	if c.ring != nil {
+		n, err = c.ringWriteSome(buf)
+	} else {
+		op := &c.wr
+		op.p, op.oob, op.wait, op.n, op.errno = buf, nil, false, 0, 0
+		err = c.rc.Write(op.fn)
+		op.p = nil
+		n = op.n
+		if err == nil && op.errno != 0 && op.errno != unix.EAGAIN {
+			err = op.errno
+		}
 	}
 	c.mu.Lock()
 	c.writing = false
 	c.lastWrite = time.Now()
 	c.written += uint64(n)
-	if n == len(buf) {
+	if c.ring != nil {
+		// The socket, where an error message goes, has whole frames.
+	} else if n == len(buf) {
 		c.cut = false
 	} else if n > 0 {
 		c.cut = true
@@ -256,8 +266,32 @@ func (c *Conn) writeFrames(buf []byte, fds []pendingFDs, armed *bool) error {
 
 // writeAll writes b, with the descriptors in oob (if any) attached to its
 // first byte, waiting while the socket is full; see writeBatch for the
-// deadline.
+// deadline. On a ring connection, b goes into the ring, and the
+// descriptors before it on the socket, with a doorbell (and the rest of
+// one cut short before) to carry them.
 func (c *Conn) writeAll(b, oob []byte, armed *bool) error {
+	if c.ring == nil {
+		return c.sockWriteAll(b, oob, armed)
+	}
+	if oob != nil {
+		if err := c.ringFlushed(); err != nil {
+			return err
+		}
+		if c.bellLeft > 0 {
+			if err := c.sockWriteAll(bell[:c.bellLeft], nil, armed); err != nil {
+				return err
+			}
+			c.bellLeft = 0
+		}
+		if err := c.sockWriteAll(bell[:], oob, armed); err != nil {
+			return err
+		}
+	}
+	return c.ringWriteAll(b)
+}
+
+// sockWriteAll is writeAll on the socket.
+func (c *Conn) sockWriteAll(b, oob []byte, armed *bool) error {
 	op := &c.wr
 	for len(b) > 0 {
 		op.p, op.oob, op.wait, op.n, op.errno = b, oob, *armed, 0, 0

@@ -1,0 +1,438 @@
+//go:build linux
+
+package transport
+
+import (
+	"bufio"
+	"encoding/binary"
+	"errors"
+	"os"
+	"os/exec"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/seed743c36cf/cudashare/internal/testutil"
+)
+
+// socketModeEnv, set, makes testConfig disable the ring: TestSocketMode
+// runs the package's connection tests again that way.
+const socketModeEnv = "CUDASHARE_TRANSPORT_SOCKET"
+
+// TestSocketMode runs the tests of two Conns talking again with the ring
+// disabled, so that the socket path between two Go peers, which a peer
+// without CapRing (the Python consumer) uses, stays covered.
+func TestSocketMode(t *testing.T) {
+	if os.Getenv(socketModeEnv) != "" {
+		t.Skip("running in socket mode already")
+	}
+	if testing.Short() {
+		t.Skip("-short")
+	}
+	cmd := exec.Command(os.Args[0], "-test.run", "^Test(Exchange|Credits|FDPassing|Close|ConcurrentSenders|ShutdownWhilePeerWrites|SocketFullKeepsOrder|SendGoodbye.*|WriteTimeout.*|SlowReaderNotTimedOut|ReleaseEvent|RecvContext|SendContext|ReceiveBufferGrows|CloseWithError|RemoteError.*|ErrorWaitsForWriteUnderWay|RingMixed)$")
+	cmd.Env = append(os.Environ(), socketModeEnv+"=1")
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "PASS") {
+		t.Fatalf("the tests in socket mode: %v\n%s", err, out)
+	}
+}
+
+// TestRingMixed: two Conns use the ring unless either side disables it,
+// and then exchange the same messages on the socket.
+func TestRingMixed(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		prod, cons bool // DisableRing
+	}{{"both", false, false}, {"producer without", true, false}, {"consumer without", false, true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			checkNoFDLeak(t)
+			pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
+			pcfg.DisableRing = pcfg.DisableRing || tc.prod
+			ccfg.DisableRing = ccfg.DisableRing || tc.cons
+			ccfg.AcceptFDs = true
+			prod, cons := pair(t, pcfg, ccfg)
+			want := !pcfg.DisableRing && !ccfg.DisableRing
+			if prod.Ring() != want || cons.Ring() != want {
+				t.Fatalf("ring: producer %v consumer %v, want %v", prod.Ring(), cons.Ring(), want)
+			}
+			exchange(t, prod, cons, 2000)
+		})
+	}
+}
+
+// exchange sends n offers (every 50th with a descriptor) and their
+// releases, the consumer holding at most its credits, and checks each.
+func exchange(t *testing.T, prod, cons *Conn, n int) {
+	t.Helper()
+	ctx := testCtx(t)
+	errc := make(chan error, 1)
+	go func() {
+		var m Message
+		for i := 0; i < n; i++ {
+			if err := cons.Recv(ctx, &m); err != nil {
+				errc <- err
+				return
+			}
+			if m.Kind != KindOffer || m.Offer.Seq != uint64(i) || len(m.Offer.FDs) != boolInt(i%50 == 0) {
+				errc <- errors.New("wrong offer")
+				return
+			}
+			closeFDs(m.Offer.FDs)
+			if err := cons.SendRelease(ctx, m.Offer.Seq); err != nil {
+				errc <- err
+				return
+			}
+		}
+		errc <- nil
+	}()
+	released := 0
+	go func() {
+		var m Message
+		for released < n {
+			if err := prod.Recv(ctx, &m); err != nil {
+				return
+			}
+			released += len(m.Seqs)
+		}
+	}()
+	for i := 0; i < n; i++ {
+		o := testOffer()
+		o.Seq = uint64(i)
+		if i%50 == 0 {
+			fd, err := unix.MemfdCreate("cudashare-test", unix.MFD_CLOEXEC)
+			if err != nil {
+				t.Fatal(err)
+			}
+			o.FDs = []int{fd}
+			err = prod.SendOffer(ctx, &o)
+			unix.Close(fd)
+			if err != nil {
+				t.Fatal(err)
+			}
+			continue
+		}
+		if err := prod.SendOffer(ctx, &o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := <-errc; err != nil {
+		t.Fatal(err)
+	}
+}
+
+func boolInt(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// TestRingAsleep: with no polling, every wait sleeps on the socket, and
+// the doorbell wakes it; slow and fast stretches both arrive.
+func TestRingAsleep(t *testing.T) {
+	pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
+	if pcfg.DisableRing {
+		t.Skip("socket mode")
+	}
+	ccfg.AcceptFDs = true
+	pcfg.RingSpin, ccfg.RingSpin = -1, -1
+	prod, cons := pair(t, pcfg, ccfg)
+	exchange(t, prod, cons, 500)
+	// A message after a pause longer than any polling.
+	ctx := testCtx(t)
+	time.Sleep(20 * time.Millisecond)
+	o := testOffer()
+	o.Seq = 9999
+	if err := prod.SendOffer(ctx, &o); err != nil {
+		t.Fatal(err)
+	}
+	var m Message
+	if err := cons.Recv(ctx, &m); err != nil || m.Offer.Seq != 9999 {
+		t.Fatalf("after a pause: %v %v", m.Offer.Seq, err)
+	}
+}
+
+// TestRingLyingPeer: a peer that writes nonsense into the control block,
+// as a hostile process sharing the segment could, fails the connection
+// with ErrMalformed on the side that reads it, and nothing is read or
+// written out of bounds.
+func TestRingLyingPeer(t *testing.T) {
+	pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
+	if pcfg.DisableRing {
+		t.Skip("socket mode")
+	}
+	ccfg.AcceptFDs = true
+	for _, tc := range []struct {
+		name  string
+		lie   func(prod, cons *Conn)
+		check func(t *testing.T, prod, cons *Conn)
+	}{
+		{"tail far ahead", func(prod, cons *Conn) {
+			atomic.AddUint64(cons.ring.in.tail, ringSize+1) // what the producer side "wrote"
+		}, func(t *testing.T, prod, cons *Conn) {
+			var m Message
+			if err := cons.Recv(testCtx(t), &m); !errors.Is(err, ErrMalformed) {
+				t.Fatalf("Recv: %v, want ErrMalformed", err)
+			}
+		}},
+		{"tail moved back", func(prod, cons *Conn) {
+			atomic.StoreUint64(cons.ring.in.tail, ^uint64(0))
+		}, func(t *testing.T, prod, cons *Conn) {
+			var m Message
+			if err := cons.Recv(testCtx(t), &m); !errors.Is(err, ErrMalformed) {
+				t.Fatalf("Recv: %v, want ErrMalformed", err)
+			}
+		}},
+		{"head beyond the tail", func(prod, cons *Conn) {
+			atomic.AddUint64(prod.ring.out.head, 1<<40) // what the consumer side "read"
+		}, func(t *testing.T, prod, cons *Conn) {
+			ctx := testCtx(t)
+			o := testOffer()
+			o.Seq = 77
+			err := prod.SendOffer(ctx, &o)
+			if err == nil {
+				err = prod.Flush(ctx)
+			}
+			if !errors.Is(err, ErrMalformed) {
+				t.Fatalf("send: %v, want ErrMalformed", err)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			checkNoFDLeak(t)
+			prod, cons := pair(t, pcfg, ccfg)
+			exchange(t, prod, cons, 10)
+			tc.lie(prod, cons)
+			tc.check(t, prod, cons)
+		})
+	}
+}
+
+// TestRingSocketAbuse: on a ring connection the socket carries doorbells,
+// descriptors and errors only. An error there is the peer's word; any
+// other message, or descriptors that no offer claims, fail the
+// connection; and the descriptors are closed.
+func TestRingSocketAbuse(t *testing.T) {
+	pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
+	if pcfg.DisableRing {
+		t.Skip("socket mode")
+	}
+	ccfg.AcceptFDs = true
+	for _, tc := range []struct {
+		name  string
+		abuse func(t *testing.T, prod *Conn)
+		want  error
+	}{
+		{"error message", func(t *testing.T, prod *Conn) {
+			tell(prod.nc, bell[:], codeLimit, "too many")
+		}, ErrLimit},
+		{"an offer on the socket", func(t *testing.T, prod *Conn) {
+			if _, err := prod.nc.Write(frame(mustMarshal(offerElems(5, 0)))); err != nil {
+				t.Fatal(err)
+			}
+		}, ErrUnexpectedMessage},
+		{"a huge frame on the socket", func(t *testing.T, prod *Conn) {
+			var h [headerSize]byte
+			binary.BigEndian.PutUint32(h[:], 1<<30)
+			if _, err := prod.nc.Write(h[:]); err != nil {
+				t.Fatal(err)
+			}
+		}, ErrMalformed},
+		{"descriptors nobody claims", func(t *testing.T, prod *Conn) {
+			for i := 0; i < 3*MaxFDs; i++ {
+				fd, err := unix.MemfdCreate("cudashare-test", unix.MFD_CLOEXEC)
+				if err != nil {
+					t.Fatal(err)
+				}
+				_, _, err = prod.nc.WriteMsgUnix(bell[:], unix.UnixRights(fd), nil)
+				unix.Close(fd)
+				if err != nil {
+					return // the consumer gave up
+				}
+			}
+		}, ErrMalformed},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			checkNoFDLeak(t)
+			prod, cons := pair(t, pcfg, ccfg)
+			ctx := testCtx(t)
+			exchange(t, prod, cons, 10)
+			tc.abuse(t, prod)
+			var m Message
+			err := cons.Recv(ctx, &m)
+			if !errors.Is(err, tc.want) {
+				t.Fatalf("Recv: %v, want %v", err, tc.want)
+			}
+		})
+	}
+}
+
+// TestRingSegmentChecks: a dialer maps only a sealed segment of the
+// right size: a listener that could shrink it could make every access to
+// it fault.
+func TestRingSegmentChecks(t *testing.T) {
+	checkNoFDLeak(t)
+	mk := func(size int64, seals int) int {
+		fd, err := unix.MemfdCreate("cudashare-test", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := unix.Ftruncate(fd, size); err != nil {
+			t.Fatal(err)
+		}
+		if seals != 0 {
+			if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, seals); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return fd
+	}
+	var p [2]int
+	if err := unix.Pipe2(p[:], unix.O_CLOEXEC); err != nil {
+		t.Fatal(err)
+	}
+	unix.Close(p[1])
+	for name, fd := range map[string]int{
+		"unsealed":         mk(ringSegSize, 0),
+		"may shrink":       mk(ringSegSize, unix.F_SEAL_GROW),
+		"too small":        mk(ringSegSize-4096, ringSeals),
+		"too large":        mk(2*ringSegSize, ringSeals),
+		"not a file":       p[0],
+		"sealed and right": mk(ringSegSize, ringSeals),
+	} {
+		seg, err := openRingSeg(fd)
+		unix.Close(fd)
+		if name == "sealed and right" {
+			if err != nil {
+				t.Errorf("%s: %v", name, err)
+			} else {
+				seg.unmap()
+			}
+			continue
+		}
+		if !errors.Is(err, ErrMalformed) && !errors.Is(err, ErrHandshake) {
+			t.Errorf("%s: %v, want a refusal", name, err)
+		}
+		if seg != nil {
+			seg.unmap()
+		}
+	}
+}
+
+// TestRingHostileListener: a listener that answers a dialer asking for a
+// ring with no segment, two, or a bad one fails the handshake, and the
+// dialer keeps no descriptor.
+func TestRingHostileListener(t *testing.T) {
+	if testConfig(RoleConsumer, nil).DisableRing {
+		t.Skip("socket mode")
+	}
+	ack := mustMarshal([]any{KindHelloAck, Version, RoleProducer, 1, make([]byte, 16), []any{}, uint64(CapRing), 0})
+	memfd := func(sealed bool) int {
+		fd, err := unix.MemfdCreate("cudashare-test", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+		if err != nil {
+			t.Fatal(err)
+		}
+		unix.Ftruncate(fd, ringSegSize)
+		if sealed {
+			unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, ringSeals)
+		}
+		return fd
+	}
+	for _, tc := range []struct {
+		name string
+		fds  func() []int
+	}{
+		{"no segment", func() []int { return nil }},
+		{"two segments", func() []int { return []int{memfd(true), memfd(true)} }},
+		{"unsealed segment", func() []int { return []int{memfd(false)} }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			checkNoFDLeak(t)
+			path := socketDir(t) + "/sock"
+			ln, err := listenRaw(path)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer ln.Close()
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				c, err := ln.AcceptUnix()
+				if err != nil {
+					return
+				}
+				defer c.Close()
+				p := &rawPeer{t: t, c: c}
+				if _, err := p.recv(); err != nil {
+					return
+				}
+				fds := tc.fds()
+				if len(fds) == 0 {
+					p.send(ack)
+				} else {
+					p.sendFDs(ack, fds...)
+					closeFDs(fds)
+				}
+				bufio.NewReader(c).ReadByte() // until the dialer hangs up
+			}()
+			c, err := Dial(testCtx(t), path, testConfig(RoleConsumer, nil))
+			if err == nil {
+				c.Close()
+				t.Fatal("Dial succeeded")
+			}
+			if !errors.Is(err, ErrMalformed) && !errors.Is(err, ErrHandshake) {
+				t.Fatalf("Dial: %v, want a malformed handshake", err)
+			}
+			<-done
+		})
+	}
+}
+
+// TestRingUnmapped: the listener's memfd is closed once sent, the
+// dialer's once mapped, and Close unmaps the segment on both sides.
+func TestRingUnmapped(t *testing.T) {
+	if testConfig(RoleConsumer, nil).DisableRing {
+		t.Skip("socket mode")
+	}
+	count := func() int {
+		b, err := os.ReadFile("/proc/self/maps")
+		if err != nil {
+			t.Skip("no /proc/self/maps")
+		}
+		return strings.Count(string(b), "cudashare-ring")
+	}
+	before := count()
+	checkNoFDLeak(t)
+	l := listen(t, testConfig(RoleProducer, nil))
+	ctx := testCtx(t)
+	var conns []*Conn
+	for i := 0; i < 8; i++ {
+		c, err := Dial(ctx, l.Addr(), testConfig(RoleConsumer, nil))
+		if err != nil {
+			t.Fatal(err)
+		}
+		p, err := l.Accept(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		conns = append(conns, c, p)
+	}
+	for fd, target := range testutil.OpenFDs() {
+		if strings.Contains(target, "cudashare-ring") {
+			t.Errorf("descriptor %d -> %s left open", fd, target)
+		}
+	}
+	if n := count() - before; n != 16 {
+		t.Errorf("%d segments mapped, want 16", n)
+	}
+	for _, c := range conns {
+		c.Close()
+		c.Close()
+	}
+	if n := count() - before; n != 0 {
+		t.Errorf("%d segments still mapped after Close", n)
+	}
+}

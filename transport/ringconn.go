@@ -1,0 +1,340 @@
+//go:build linux
+
+package transport
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"runtime"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// This file is a Conn's ring mode (ring.go): how Recv reads the ring and
+// sleeps on the socket, and how the write side fills the ring and rings
+// the doorbell.
+
+// sockFrameMax caps a frame on the socket of a ring connection: only an
+// error message is a frame there, and its text is at most maxTextLen.
+const sockFrameMax = 4 << 10
+
+// bell is the doorbell, and the carrier of descriptors: a frame header
+// of length 0 on the socket.
+var bell [headerSize]byte
+
+// fillRing reads what the ring has into rbuf[w:], waiting for at least a
+// byte: it polls the ring for up to Config.RingSpin, then sleeps on the
+// socket, which wakes it with a doorbell, an error message or its end.
+func (c *Conn) fillRing(ctx context.Context, avail int) error {
+	if c.ringGone {
+		return c.failure()
+	}
+	var waited time.Time
+	for {
+		n, err := c.ring.in.read(c.rbuf[c.w:])
+		if err != nil {
+			return err
+		}
+		if n > 0 {
+			if !waited.IsZero() {
+				c.gap = time.Since(waited)
+			}
+			c.w += n
+			c.grewFull()
+			return nil
+		}
+		if c.sockEnd != 0 {
+			// The peer wrote everything before it closed: it is read.
+			return c.endErr(avail, c.sockEnd)
+		}
+		if waited.IsZero() {
+			waited = time.Now()
+			if c.spinRing(ctx, waited) {
+				continue
+			}
+		}
+		c.ring.in.sleep()
+		if c.ring.in.ready() {
+			c.ring.in.wake()
+			continue
+		}
+		err = c.armWait(ctx, avail)
+		if err == nil {
+			err = c.readSocketRing(ctx, avail)
+		}
+		c.ring.in.wake()
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// spinRing polls the ring, yielding between looks, for up to RingSpin, if
+// the last wait for it was short enough that polling would likely have
+// caught it; it reports whether bytes came.
+func (c *Conn) spinRing(ctx context.Context, start time.Time) bool {
+	spin := c.cfg.RingSpin
+	if spin <= 0 || c.gap > 4*spin {
+		return false
+	}
+	until := start.Add(spin)
+	done := ctx.Done()
+	for i := 1; ; i++ {
+		if c.ring.in.ready() {
+			return true
+		}
+		if i%16 == 0 {
+			if time.Now().After(until) {
+				return false
+			}
+			if done != nil {
+				select {
+				case <-done:
+					return false
+				default:
+				}
+			}
+		}
+		runtime.Gosched()
+	}
+}
+
+// readSocketRing waits for the socket of a ring connection and takes what
+// it brings: doorbells, descriptors, an error message, its end.
+func (c *Conn) readSocketRing(ctx context.Context, avail int) error {
+	c.roomInSocketBuf()
+	n, end, err := c.readSocket(ctx, c.sbuf[c.sw:], avail)
+	if err != nil {
+		return err
+	}
+	if end != 0 {
+		c.sockEnd = end
+		return nil
+	}
+	c.sw += n
+	return c.socketFrames()
+}
+
+func (c *Conn) roomInSocketBuf() {
+	if c.sr > 0 {
+		c.sw = copy(c.sbuf, c.sbuf[c.sr:c.sw])
+		c.sr = 0
+	}
+	if c.sw == len(c.sbuf) {
+		c.sbuf = append(c.sbuf, make([]byte, len(c.sbuf))...)
+	}
+}
+
+// socketFrames takes the whole frames in sbuf: doorbells, which only woke
+// the reader, and an error message, which ends the connection. Anything
+// else has no business on the socket of a ring connection.
+func (c *Conn) socketFrames() error {
+	for {
+		avail := c.sw - c.sr
+		if avail < headerSize {
+			break
+		}
+		n := int(binary.BigEndian.Uint32(c.sbuf[c.sr:]))
+		if n == 0 {
+			c.sr += headerSize
+			continue
+		}
+		if n > sockFrameMax {
+			return malformed("a frame of %d bytes on the socket of a ring connection, where only doorbells, descriptors and errors go", n)
+		}
+		if avail < headerSize+n {
+			break
+		}
+		body := c.sbuf[c.sr+headerSize : c.sr+headerSize+n]
+		c.sr += headerSize + n
+		var m Message
+		kind, err := c.dec.decode(body, &m)
+		if err != nil {
+			return err
+		}
+		if kind == KindError {
+			return &RemoteError{Code: c.dec.errCode, Message: c.dec.errText, Peer: c.desc}
+		}
+		return fmt.Errorf("%w: %s on the socket of a ring connection, where only doorbells, descriptors and errors go", ErrUnexpectedMessage, kind)
+	}
+	if c.sr == c.sw {
+		c.sr, c.sw = 0, 0
+	}
+	return nil
+}
+
+// pullSocket takes, without waiting, what the socket has until need
+// descriptors are queued: those of an offer just read from the ring left
+// on the socket before it. One recvmsg takes the descriptors of at most
+// one carrier.
+func (c *Conn) pullSocket(need int) error {
+	for c.sockEnd == 0 && len(c.fdq) < need {
+		c.roomInSocketBuf()
+		op := &c.rd
+		op.p = c.sbuf[c.sw:]
+		// Control, not Read: no deadline of ctx applies to what has
+		// arrived already.
+		if err := c.rc.Control(c.rd.now); err != nil {
+			return c.failure()
+		}
+		if op.errno == unix.EAGAIN {
+			op.p = nil
+			return nil
+		}
+		n, end, err := c.took()
+		if err != nil {
+			return err
+		}
+		if end != 0 {
+			c.sockEnd = end
+			return nil
+		}
+		c.sw += n
+		if err := c.socketFrames(); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// ringWriteSome writes as much of b as the ring has room for, without
+// waiting, and rings the doorbell if the peer sleeps. The caller owns the
+// write side.
+func (c *Conn) ringWriteSome(b []byte) (int, error) {
+	c.ringMu.RLock()
+	defer c.ringMu.RUnlock()
+	if c.ringGone {
+		return 0, c.failure()
+	}
+	n, err := c.ring.out.write(b)
+	if n > 0 && c.ring.out.asleep() {
+		if berr := c.ringBell(); err == nil {
+			err = berr
+		}
+	}
+	return n, err
+}
+
+// peerClosed reports whether the peer has closed its socket, as far as
+// poll(2) says without reading: a peer that only shut down its writing
+// after its goodbye still reads.
+func (c *Conn) peerClosed() bool {
+	hup := false
+	c.rc.Control(func(fd uintptr) {
+		p := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLOUT}}
+		if n, err := unix.Poll(p, 0); err == nil && n > 0 {
+			hup = p[0].Revents&(unix.POLLHUP|unix.POLLERR) != 0
+		}
+	})
+	return hup
+}
+
+// ringWriteAll writes b into the ring, waiting while it is full: the peer
+// has WriteTimeout to read some of it, as it has a full socket.
+func (c *Conn) ringWriteAll(b []byte) error {
+	var w ringWait
+	for len(b) > 0 {
+		n, err := c.ringWriteSome(b)
+		if err != nil {
+			return err
+		}
+		if n > 0 {
+			b = b[n:]
+			w = ringWait{}
+			continue
+		}
+		if err := c.ringPause(&w, "read nothing of a full ring"); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// ringFlushed waits until the peer has read everything in the ring. A
+// writer does so before it sends descriptors, so that a reader never
+// holds those of more than the offer it is taking and the next.
+func (c *Conn) ringFlushed() error {
+	var w ringWait
+	var last uint64
+	for {
+		c.ringMu.RLock()
+		if c.ringGone {
+			c.ringMu.RUnlock()
+			return c.failure()
+		}
+		head, done := atomic.LoadUint64(c.ring.out.head), c.ring.out.flushed()
+		c.ringMu.RUnlock()
+		if done {
+			return nil
+		}
+		if head != last {
+			last, w = head, ringWait{}
+		}
+		if err := c.ringPause(&w, "did not read the ring to its end"); err != nil {
+			return err
+		}
+	}
+}
+
+// ringWait is the state of a wait for the peer to read the ring.
+type ringWait struct {
+	stuck time.Time
+	pause time.Duration
+}
+
+// ringPause waits a little for the peer to read, looking again soon and
+// then less often: a reader that is behind, or stopped. It fails once the
+// peer has closed, or made no progress for WriteTimeout.
+func (c *Conn) ringPause(w *ringWait, what string) error {
+	if c.peerClosed() {
+		// A socket would say EPIPE: the reader is gone for good.
+		return fmt.Errorf("%w: the peer closed the connection and %s: %w", ErrDisconnected, what, unix.EPIPE)
+	}
+	now := time.Now()
+	if w.stuck.IsZero() {
+		w.stuck = now
+	} else if now.Sub(w.stuck) >= c.cfg.WriteTimeout {
+		return fmt.Errorf("%w: the peer %s for %v", ErrWriteTimeout, what, c.cfg.WriteTimeout)
+	}
+	w.pause = min(max(2*w.pause, 10*time.Microsecond), time.Millisecond)
+	if c.ringTimer == nil {
+		c.ringTimer = time.NewTimer(w.pause)
+	} else {
+		c.ringTimer.Reset(w.pause)
+	}
+	select {
+	case <-c.ringTimer.C:
+		return nil
+	case <-c.dying:
+		c.ringTimer.Stop()
+		return c.failure()
+	}
+}
+
+// ringBell writes the doorbell to the socket, without waiting: a socket
+// too full to take it has bytes for the peer to wake to already. A
+// doorbell cut short is finished before anything else goes on the socket.
+// The caller owns the write side. It fails only if the peer is gone.
+func (c *Conn) ringBell() error {
+	left := c.bellLeft
+	fresh := left == 0
+	if fresh {
+		left = headerSize
+	}
+	op := &c.wr
+	op.p, op.oob, op.wait, op.n, op.errno = bell[:left], nil, false, 0, 0
+	err := c.rc.Write(op.fn)
+	n, errno := op.n, op.errno
+	op.p = nil
+	if errno == unix.EPIPE || errno == unix.ECONNRESET {
+		return writeErr(errno)
+	}
+	if err != nil || (fresh && n == 0) {
+		return nil
+	}
+	c.bellLeft = left - n
+	return nil
+}
