@@ -21,7 +21,10 @@
 #              allocations sent as fds), labels ending -ipc and -vmm: the
 #              handoff alone (-fill=false, -verify none) with credits 1/1
 #              worker, 8/1, 8/2, ring 64 credits 64 4 workers, and fresh
-#              64 MiB from an arena; then a fill and an interprocess event per
+#              64 MiB from an arena, the messages through the shared-memory
+#              rings (the default), and credits 1, 8 and ring 64 again with
+#              the producer's -shm=false (labels with -socket): the messages
+#              on the socket; then a fill and an interprocess event per
 #              batch with -verify none, byte and async (stream-ordered copy
 #              and release; skipped with a note if the consumer has no such
 #              mode), ring of 8 x 1 MiB and fresh 64 MiB, -workers (default
@@ -260,6 +263,13 @@ for pair in "${pairs[@]}"; do
 	ours "cudashare-ring-$g-handoff-c8-w2" "$d" "$c" 2 8 none none -- -ring 8 -size 1MiB -fill=false
 	ours "cudashare-ring64-$g-handoff-c64-w4" "$d" "$c" 4 64 none none -- -ring 64 -size 1MiB -fill=false
 	ours "cudashare-fresh-$g-handoff-c64-w4" "$d" "$c" 4 64 none none -- -fresh -ring 64 -size 64MiB -fill=false
+	# The same with the messages on the socket, for comparison: the
+	# producer does not offer the shared-memory rings.
+	if "$BIN/producer" -h 2>&1 | grep -qe '^  -shm'; then
+		ours "cudashare-ring-$g-handoff-c1-w1-socket" "$d" "$c" 1 1 none none -- -ring 8 -size 1MiB -fill=false -shm=false
+		ours "cudashare-ring-$g-handoff-c8-w1-socket" "$d" "$c" 1 8 none none -- -ring 8 -size 1MiB -fill=false -shm=false
+		ours "cudashare-ring64-$g-handoff-c64-w4-socket" "$d" "$c" 4 64 none none -- -ring 64 -size 1MiB -fill=false -shm=false
+	fi
 
 	# A fill and an interprocess event per batch.
 	for mode in ring fresh; do

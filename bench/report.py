@@ -95,7 +95,7 @@ def row(label, pjson, cjson, pexit, cexit, *meta):
     if c:
         for k in ("driver", "verify", "workers", "credits", "handoffs", "seconds", "handoffs_per_s",
                   "p50_us", "p99_us", "max_us", "verify_errors", "errors", "verified", "mappings", "read_test", "size",
-                  "async_waits"):
+                  "async_waits", "shm"):
             if k in c:
                 out[k] = c[k]
         out["consumer_device"] = c.get("device")
@@ -227,6 +227,8 @@ def work(r):
             w += ", %s worker%s" % (r["workers"], "" if r["workers"] == 1 else "s")
         if (r.get("group") or 1) > 1:
             w += ", groups of %s" % r["group"]
+        if r.get("shm") is False:
+            w += ", messages on the socket (-shm=false)"
         return w
     if impl == "cupy":
         if r.get("gpu_work") == "none":
@@ -362,6 +364,8 @@ def hot_path_targets(r, rate, floor, limit, rows, ok):
     """The hot-path issue's targets that row r answers, one line each."""
     out = []
     label, w, cr = r.get("row", ""), r.get("workers"), r.get("credits")
+    if r.get("shm") is False:
+        return out  # a row for comparison: the messages on the socket
     if r.get("gpu_work") == "none" and r.get("mode") == "ring":
         if r.get("ring") == 8 and cr == 8 and w == 1:
             p99 = r.get("p99_us") or 0

@@ -602,19 +602,18 @@ func (c *Conn) answer(mine *hello, ring bool) error {
 }
 
 // takeRing maps the segment that came with the hello-ack if both sides
-// advertised CapRing. Nothing else may come with it.
+// advertised CapRing. Nothing else may come with it. Without the ring,
+// descriptors queued are those of the first offer, whose first bytes one
+// recvmsg may have read with the hello-ack: they stay queued for it.
 func (c *Conn) takeRing(ring bool) error {
+	c.askRing = false
+	if !ring {
+		return nil
+	}
 	defer func() {
 		closeFDs(c.fdq)
 		c.fdq = c.fdq[:0]
-		c.askRing = false
 	}()
-	if !ring {
-		if len(c.fdq) > 0 {
-			return malformed("%d descriptors with a hello-ack without the ring capability", len(c.fdq))
-		}
-		return nil
-	}
 	if len(c.fdq) != 1 {
 		return malformed("hello-ack with the ring capability and %d descriptors, want 1 (the segment)", len(c.fdq))
 	}

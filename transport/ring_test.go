@@ -436,3 +436,57 @@ func TestRingUnmapped(t *testing.T) {
 		t.Errorf("%d segments still mapped after Close", n)
 	}
 }
+
+// TestOfferReadWithHelloAck: without the ring, one recvmsg may read the
+// hello-ack and the first offer's descriptor with it (a producer offers at
+// once); the descriptor is the offer's, not a stray one of the handshake.
+// Whether the two arrive in one read is a race, so it tries 20 times.
+func TestOfferReadWithHelloAck(t *testing.T) {
+	checkNoFDLeak(t)
+	for i := 0; i < 20; i++ {
+		offerWithHelloAck(t)
+	}
+}
+
+func offerWithHelloAck(t *testing.T) {
+	path := socketDir(t) + "/sock"
+	ln, err := listenRaw(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		c, err := ln.AcceptUnix()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		p := &rawPeer{t: t, c: c}
+		p.sendMsg(KindHelloAck, Version, RoleProducer, 1, make([]byte, 16), []any{}, 0, 0)
+		fd, err := unix.MemfdCreate("cudashare-test", unix.MFD_CLOEXEC)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		p.sendFDs(mustMarshal(offerElems(1, 1)), fd)
+		unix.Close(fd)
+		p.recv()                      // the hello
+		bufio.NewReader(c).ReadByte() // until the dialer hangs up
+	}()
+	cfg := testConfig(RoleConsumer, nil)
+	cfg.AcceptFDs = true
+	c, err := Dial(testCtx(t), path, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var m Message
+	err = c.Recv(testCtx(t), &m)
+	closeFDs(m.Offer.FDs)
+	c.Close()
+	if err != nil || m.Kind != KindOffer || len(m.Offer.FDs) != 1 {
+		t.Fatalf("the first offer: %v, %d descriptors, %v", m.Kind, len(m.Offer.FDs), err)
+	}
+	<-done
+}
