@@ -264,7 +264,7 @@ func costs(ctx context.Context, dctx *driver.Context, path string, size uint64, 
 	}
 	defer func() {
 		b, _ := json.Marshal(request{Quit: true})
-		syscall.Sendmsg(sock, b, nil, nil, 0)
+		sendmsg(sock, b, nil)
 		syscall.Close(sock)
 		cmd.Wait()
 	}()
@@ -354,7 +354,7 @@ func costs(ctx context.Context, dctx *driver.Context, path string, size uint64, 
 
 func roundTrip(ctx context.Context, sock int, b, oob []byte) (reply, error) {
 	var rp reply
-	if err := syscall.Sendmsg(sock, b, oob, nil, 0); err != nil {
+	if err := sendmsg(sock, b, oob); err != nil {
 		return rp, fmt.Errorf("send to the importing process: %w", err)
 	}
 	dl := time.Now().Add(60 * time.Second)
@@ -364,7 +364,7 @@ func roundTrip(ctx context.Context, sock int, b, oob []byte) (reply, error) {
 	tv := syscall.NsecToTimeval(time.Until(dl).Nanoseconds())
 	syscall.SetsockoptTimeval(sock, syscall.SOL_SOCKET, syscall.SO_RCVTIMEO, &tv)
 	buf := make([]byte, 4096)
-	n, _, _, _, err := syscall.Recvmsg(sock, buf, nil, 0)
+	n, _, err := recvmsg(sock, buf, nil, 0)
 	if err != nil {
 		return rp, fmt.Errorf("reply of the importing process: %w", err)
 	}
@@ -401,7 +401,7 @@ func childImport() int {
 	buf := make([]byte, 4096)
 	oob := make([]byte, syscall.CmsgSpace(4*4))
 	for {
-		n, oobn, _, _, err := syscall.Recvmsg(sock, buf, oob, syscall.MSG_CMSG_CLOEXEC)
+		n, oobn, err := recvmsg(sock, buf, oob, syscall.MSG_CMSG_CLOEXEC)
 		if err != nil || n == 0 {
 			return 0
 		}
@@ -426,7 +426,7 @@ func childImport() int {
 			syscall.Close(fd)
 		}
 		b, _ := json.Marshal(rp)
-		if err := syscall.Sendmsg(sock, b, nil, nil, 0); err != nil {
+		if err := sendmsg(sock, b, nil); err != nil {
 			return 1
 		}
 	}
@@ -698,4 +698,24 @@ func sizeName(n uint64) string {
 		}
 	}
 	return fmt.Sprintf("%dB", n)
+}
+
+// recvmsg and sendmsg retry what a signal interrupted: the Go runtime
+// preempts goroutines with signals, and the raw calls on this blocking
+// socket do not restart by themselves.
+func recvmsg(sock int, p, oob []byte, flags int) (n, oobn int, err error) {
+	for {
+		n, oobn, _, _, err = syscall.Recvmsg(sock, p, oob, flags)
+		if err != syscall.EINTR {
+			return n, oobn, err
+		}
+	}
+}
+
+func sendmsg(sock int, p, oob []byte) error {
+	for {
+		if err := syscall.Sendmsg(sock, p, oob, nil, 0); err != syscall.EINTR {
+			return err
+		}
+	}
 }
