@@ -39,7 +39,9 @@ def consume(args, out):
            "workers": args.workers, "credits": args.credits, "verify": args.verify, "handoffs": 0,
            "seconds": 0.0, "handoffs_per_s": 0.0, "p50_us": 0.0, "p99_us": 0.0, "max_us": 0.0, "bytes": 0,
            "size": 0, "verified": 0, "verify_errors": 0, "errors": 0, "buffers_seen": 0, "mappings": 0,
-           "end": "", "exit": 0}
+           "shm": False, "end": "", "exit": 0}
+    # shm: this consumer does not ask for the shared-memory rings (PROTOCOL.md
+    # 2.3); its messages always go over the socket.
     lat = []
     seen = set()
     lock = threading.Lock()
