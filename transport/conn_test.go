@@ -541,27 +541,13 @@ func TestDialHandshakeFailures(t *testing.T) {
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
 			checkNoFDLeak(t)
-			path := socketDir(t) + "/sock"
-			ln, err := listenRaw(path)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer ln.Close()
-			done := make(chan struct{})
-			go func() {
-				defer close(done)
-				c, err := ln.AcceptUnix()
-				if err != nil {
-					return
-				}
-				defer c.Close()
-				p := &rawPeer{t: t, c: c}
+			path, ln, done := serveRaw(t, func(p *rawPeer) {
 				if _, err := p.recv(); err != nil { // the hello
 					return
 				}
 				tc.answer(p)
 				time.Sleep(400 * time.Millisecond) // let the dialer give up first on silence
-			}()
+			})
 			cfg := testConfig(RoleConsumer, nil)
 			cfg.HandshakeTimeout = 200 * time.Millisecond
 			c, err := Dial(testCtx(t), path, cfg)

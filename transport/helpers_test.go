@@ -182,6 +182,31 @@ func listenRaw(path string) (*net.UnixListener, error) {
 	return net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
 }
 
+// serveRaw listens at a fresh path without the package and runs script,
+// in a goroutine, as the peer of the first connection, which it closes
+// when script returns; done closes after that. The listener closes when
+// the test ends, or earlier by the caller's ln.Close.
+func serveRaw(t *testing.T, script func(p *rawPeer)) (path string, ln *net.UnixListener, done <-chan struct{}) {
+	t.Helper()
+	path = socketDir(t) + "/sock"
+	ln, err := listenRaw(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	ch := make(chan struct{})
+	go func() {
+		defer close(ch)
+		c, err := ln.AcceptUnix()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		script(&rawPeer{t: t, c: c})
+	}()
+	return path, ln, ch
+}
+
 // waitLog waits for want to appear in log: a listener logs after it
 // answers the peer.
 func waitLog(t testing.TB, log *testutil.SyncBuffer, want string) {

@@ -133,11 +133,7 @@ func boolInt(b bool) int {
 // TestRingAsleep: with no polling, every wait sleeps on the socket, and
 // the doorbell wakes it; slow and fast stretches both arrive.
 func TestRingAsleep(t *testing.T) {
-	pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
-	if pcfg.DisableRing {
-		t.Skip("socket mode")
-	}
-	ccfg.AcceptFDs = true
+	pcfg, ccfg := ringConfigs(t)
 	pcfg.RingSpin, ccfg.RingSpin = -1, -1
 	prod, cons := pair(t, pcfg, ccfg)
 	exchange(t, prod, cons, 500)
@@ -160,11 +156,7 @@ func TestRingAsleep(t *testing.T) {
 // with ErrMalformed on the side that reads it, and nothing is read or
 // written out of bounds.
 func TestRingLyingPeer(t *testing.T) {
-	pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
-	if pcfg.DisableRing {
-		t.Skip("socket mode")
-	}
-	ccfg.AcceptFDs = true
+	pcfg, ccfg := ringConfigs(t)
 	for _, tc := range []struct {
 		name  string
 		lie   func(prod, cons *Conn)
@@ -216,11 +208,7 @@ func TestRingLyingPeer(t *testing.T) {
 // other message, or descriptors that no offer claims, fail the
 // connection; and the descriptors are closed.
 func TestRingSocketAbuse(t *testing.T) {
-	pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
-	if pcfg.DisableRing {
-		t.Skip("socket mode")
-	}
-	ccfg.AcceptFDs = true
+	pcfg, ccfg := ringConfigs(t)
 	for _, tc := range []struct {
 		name  string
 		abuse func(t *testing.T, prod *Conn)
@@ -351,21 +339,7 @@ func TestRingHostileListener(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			checkNoFDLeak(t)
-			path := socketDir(t) + "/sock"
-			ln, err := listenRaw(path)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer ln.Close()
-			done := make(chan struct{})
-			go func() {
-				defer close(done)
-				c, err := ln.AcceptUnix()
-				if err != nil {
-					return
-				}
-				defer c.Close()
-				p := &rawPeer{t: t, c: c}
+			path, _, done := serveRaw(t, func(p *rawPeer) {
 				if _, err := p.recv(); err != nil {
 					return
 				}
@@ -376,8 +350,8 @@ func TestRingHostileListener(t *testing.T) {
 					p.sendFDs(ack, fds...)
 					closeFDs(fds)
 				}
-				bufio.NewReader(c).ReadByte() // until the dialer hangs up
-			}()
+				bufio.NewReader(p.c).ReadByte() // until the dialer hangs up
+			})
 			c, err := Dial(testCtx(t), path, testConfig(RoleConsumer, nil))
 			if err == nil {
 				c.Close()
@@ -449,21 +423,7 @@ func TestOfferReadWithHelloAck(t *testing.T) {
 }
 
 func offerWithHelloAck(t *testing.T) {
-	path := socketDir(t) + "/sock"
-	ln, err := listenRaw(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		c, err := ln.AcceptUnix()
-		if err != nil {
-			return
-		}
-		defer c.Close()
-		p := &rawPeer{t: t, c: c}
+	path, _, done := serveRaw(t, func(p *rawPeer) {
 		p.sendMsg(KindHelloAck, Version, RoleProducer, 1, make([]byte, 16), []any{}, 0, 0)
 		fd, err := unix.MemfdCreate("cudashare-test", unix.MFD_CLOEXEC)
 		if err != nil {
@@ -472,9 +432,9 @@ func offerWithHelloAck(t *testing.T) {
 		}
 		p.sendFDs(mustMarshal(offerElems(1, 1)), fd)
 		unix.Close(fd)
-		p.recv()                      // the hello
-		bufio.NewReader(c).ReadByte() // until the dialer hangs up
-	}()
+		p.recv()                        // the hello
+		bufio.NewReader(p.c).ReadByte() // until the dialer hangs up
+	})
 	cfg := testConfig(RoleConsumer, nil)
 	cfg.AcceptFDs = true
 	c, err := Dial(testCtx(t), path, cfg)
@@ -489,4 +449,16 @@ func offerWithHelloAck(t *testing.T) {
 		t.Fatalf("the first offer: %v, %d descriptors, %v", m.Kind, len(m.Offer.FDs), err)
 	}
 	<-done
+}
+
+// ringConfigs is a producer's and a consumer's test configuration for a
+// test of the rings themselves, which skips when TestSocketMode re-runs
+// the package with the rings off.
+func ringConfigs(t *testing.T) (prod, cons Config) {
+	prod, cons = testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
+	if prod.DisableRing {
+		t.Skip("socket mode")
+	}
+	cons.AcceptFDs = true
+	return prod, cons
 }

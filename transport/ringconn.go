@@ -110,6 +110,12 @@ func (c *Conn) readSocketRing(ctx context.Context, avail int) error {
 	if err != nil {
 		return err
 	}
+	return c.socketRead(n, end)
+}
+
+// socketRead takes one read of the socket of a ring connection: n bytes
+// into sbuf, or its end.
+func (c *Conn) socketRead(n, end int) error {
 	if end != 0 {
 		c.sockEnd = end
 		return nil
@@ -188,12 +194,7 @@ func (c *Conn) pullSocket(need int) error {
 		if err != nil {
 			return err
 		}
-		if end != 0 {
-			c.sockEnd = end
-			return nil
-		}
-		c.sw += n
-		if err := c.socketFrames(); err != nil {
+		if err := c.socketRead(n, end); err != nil || end != 0 {
 			return err
 		}
 	}
