@@ -10,7 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// A ring connection (CapRing, PROTOCOL.md section 2.2) carries its frames
+// A ring connection (CapRing, PROTOCOL.md section 2.3) carries its frames
 // through a segment of memory the two processes share: one ring of bytes
 // each way, written by one side and read by the other, with no system call
 // while both sides are awake. The socket stays: it carries descriptors, the
