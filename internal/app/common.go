@@ -252,9 +252,9 @@ var monoBase, monoStart, monoErr = monoPair()
 // monoPair reads CLOCK_MONOTONIC between two readings of Go's clock, a few
 // times, and keeps the tightest bracket: the pairing is off by at most half
 // its width (monoErr), usually well under a microsecond. A single pairing
-// was off by whatever delayed the system call (a fault, a preemption at
-// start-up), several microseconds on a two-H100 run, enough to turn a
-// one-way latency of a few microseconds into 0 in one process's eyes.
+// is off by whatever delays the system call (a fault, a preemption at
+// start-up): most likely what, on a two-H100 run, turned one row's one-way
+// latencies of a few microseconds into 0.
 func monoPair() (base int64, start time.Time, maxErr time.Duration) {
 	best := time.Duration(-1)
 	for range 16 {
