@@ -438,8 +438,8 @@ func BenchmarkParseMeta(b *testing.B) {
 }
 
 // TestMonoNow: monoNow reads CLOCK_MONOTONIC, the clock a peer in another
-// process (or Python's time.perf_counter) stamps with, give or take the
-// half the tightest bracket it was paired in (monoErr).
+// process (or Python's time.perf_counter) stamps with, give or take
+// half the width of the tightest bracket it was paired in (monoErr).
 func TestMonoNow(t *testing.T) {
 	var a, b unix.Timespec
 	for range 1000 {
