@@ -417,6 +417,25 @@ type Arena struct {
 	spans   spans         // guarded by Exporter.mu
 	room    chan struct{} // closed when a range is freed; made by a waiter
 	pending []*Buffer     // freed, waiting for consumers' GPU work; Exporter.mu
+	blk     []Buffer      // where Alloc's next Buffers come from; Exporter.mu
+}
+
+// arenaBlock is the number of arena Buffers allocated together.
+const arenaBlock = 64
+
+// newBufferLocked returns a zero Buffer for Alloc. Buffers are allocated
+// arenaBlock at a time, so that a fresh buffer per handoff costs 1/64 of
+// an allocation instead of one. None is ever reused: a Buffer kept after
+// Free still refers to its own range, never to a later one, and its block
+// (arenaBlock Buffers, about 11 KiB) is garbage once all of them are.
+// Exporter.mu held.
+func (a *Arena) newBufferLocked() *Buffer {
+	if len(a.blk) == 0 {
+		a.blk = make([]Buffer, arenaBlock)
+	}
+	b := &a.blk[0]
+	a.blk = a.blk[1:]
+	return b
 }
 
 // NewArena allocates an arena of at least size bytes (with VMM, size
@@ -465,7 +484,9 @@ func (a *Arena) Alloc(ctx context.Context, size uint64) (*Buffer, error) {
 			a.reclaimLocked()
 		}
 		if off, ok := a.spans.alloc(need); ok {
-			return &Buffer{e: e, rec: a.rec, off: off, size: size, arena: a, span: need}, nil
+			b := a.newBufferLocked()
+			*b = Buffer{e: e, rec: a.rec, off: off, size: size, arena: a, span: need}
+			return b, nil
 		}
 		if len(a.pending) > 0 {
 			// Out of room, with ranges waiting for consumers' GPU work:

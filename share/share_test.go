@@ -505,6 +505,64 @@ func TestArenaFreshBuffers(t *testing.T) {
 	}
 }
 
+// TestArenaBuffersNotReused: Alloc allocates no object of its own per
+// buffer (Buffers come in blocks), and a Buffer kept after Free is never
+// handed out again: its second Free, after many Allocs, gives back nothing
+// that a later buffer holds.
+func TestArenaBuffersNotReused(t *testing.T) {
+	env := sharetest.Setup(t)
+	e := newExporter(t, env)
+	ctx := sharetest.Ctx(t)
+	a, err := e.NewArena(1 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	room := a.Available()
+	old, err := a.Alloc(ctx, 100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ptr := old.Ptr()
+	if err := old.Free(); err != nil {
+		t.Fatal(err)
+	}
+	held, err := a.Alloc(ctx, 100) // most likely the range old had
+	if err != nil {
+		t.Fatal(err)
+	}
+	var fail error
+	allocs := testing.AllocsPerRun(500, func() {
+		b, err := a.Alloc(ctx, 4096)
+		if err == nil {
+			err = b.Free()
+		}
+		if err != nil && fail == nil {
+			fail = err
+		}
+	})
+	if fail != nil {
+		t.Fatal(fail)
+	}
+	if allocs != 0 {
+		t.Errorf("Alloc and Free: %v allocations each, want 0 (Buffers come in blocks)", allocs)
+	}
+	if err := old.Free(); err != nil {
+		t.Fatalf("second Free of a buffer kept after Free: %v", err)
+	}
+	if old == held || old.Size() != 100 || old.Ptr() != ptr {
+		t.Errorf("a freed Buffer changed: same as a later one %v, size %d, pointer %#x (was %#x)", old == held, old.Size(), old.Ptr(), ptr)
+	}
+	if got := a.Available(); got == room {
+		t.Errorf("the arena is all free (%d bytes) while a buffer is held: the old Buffer's second Free gave back its range", got)
+	}
+	if err := held.Free(); err != nil {
+		t.Fatal(err)
+	}
+	if got := a.Available(); got != room {
+		t.Errorf("arena has %d of %d bytes free after every Free", got, room)
+	}
+}
+
 // TestDevices runs the ring with interprocess events and streams, the
 // consumer on the producer's device and on the other device (which needs
 // peer access, enabled lazily by the open).
