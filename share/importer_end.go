@@ -1,0 +1,176 @@
+//go:build linux
+
+package share
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/seed743c36cf/cudashare/transport"
+)
+
+// This file is how an importer ends: the producer gone (its goodbye, the
+// connection's end), Shutdown and Close, and the queued leases dropped on
+// the way.
+
+// dropQueuedLocked ends a lease that was never handed out.
+func (im *Importer) dropQueuedLocked(l *Lease) {
+	if l.err != nil || l.a.closed {
+		return
+	}
+	l.a.leases--
+	im.sendReleaseLocked(l.seq, nil)
+	if l.a.leases == 0 && (l.a.retired || im.gone || im.state != stateOpen) {
+		im.closeAllocLocked(l.a)
+	}
+}
+
+// drainLocked drops every queued lease.
+func (im *Importer) drainLocked() {
+	for {
+		select {
+		case l := <-im.ready:
+			im.dropQueuedLocked(l)
+		default:
+			return
+		}
+	}
+}
+
+func (im *Importer) notifyHeldLocked() {
+	if im.heldZero != nil {
+		close(im.heldZero)
+		im.heldZero = nil
+	}
+}
+
+// endLocked stops Next with err.
+func (im *Importer) endLocked(err error) {
+	if im.ended == nil {
+		im.ended = err
+		close(im.stop)
+	}
+}
+
+// onEnd runs when the connection has ended: the producer is gone, or
+// this side closed it.
+func (im *Importer) onEnd(err error) {
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	im.gone = true
+	if im.state == stateOpen {
+		switch {
+		case err == io.EOF:
+			im.endLocked(fmt.Errorf("%w (goodbye: %q): %w", ErrProducerGone, im.byeWhy, io.EOF))
+		default:
+			im.endLocked(fmt.Errorf("%w: %w", ErrProducerGone, err))
+		}
+	}
+	im.drainLocked()
+	// Mappings no lease is in close now; the others with their last
+	// release. The producer's memory stays alive while mapped.
+	for _, a := range im.allocs {
+		if a.leases == 0 {
+			im.closeAllocLocked(a)
+		}
+	}
+}
+
+// Shutdown ends the importer gracefully: Next stops handing out leases
+// (offers still arriving go back to the producer), Shutdown waits within
+// ctx until every lease handed out is released, closes every mapping,
+// confirms the allocations the producer retired, says goodbye and closes
+// the connection. Mappings are closed before the goodbye, so the producer
+// may free its memory as soon as it reads it. If ctx ends first, Shutdown
+// closes at once, as Close does, and returns ctx's error.
+func (im *Importer) Shutdown(ctx context.Context) error {
+	im.mu.Lock()
+	if im.state == stateClosed {
+		im.mu.Unlock()
+		return nil
+	}
+	im.state = stateShutting
+	im.endLocked(fmt.Errorf("share: importer shut down: %w", ErrClosed))
+	im.drainLocked()
+	for im.held > 0 {
+		if im.heldZero == nil {
+			im.heldZero = make(chan struct{})
+		}
+		w := im.heldZero
+		im.mu.Unlock()
+		select {
+		case <-w:
+		case <-ctx.Done():
+			return errors.Join(ctx.Err(), im.Close())
+		}
+		im.mu.Lock()
+	}
+	im.mu.Unlock()
+	return im.close(ctx, "consumer shut down")
+}
+
+// Close ends the importer without waiting for leases: every mapping is
+// closed, including those of leases not yet released (their pointers are
+// invalid from now on; their Release does nothing), the producer is told
+// goodbye (Close waits at most a second for it to read it and hang up) and
+// the connection is closed. Close is idempotent.
+func (im *Importer) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	defer cancel()
+	return im.close(ctx, "consumer closed")
+}
+
+func (im *Importer) close(ctx context.Context, reason string) error {
+	im.mu.Lock()
+	if im.state == stateClosed {
+		im.mu.Unlock()
+		<-im.recvDone
+		return nil
+	}
+	im.state = stateClosed
+	im.endLocked(fmt.Errorf("share: importer closed: %w", ErrClosed))
+	im.drainLocked()
+	for _, a := range im.allocs {
+		im.closeAllocLocked(a)
+	}
+	gone := im.gone
+	im.gone = true // nothing more is sent but the goodbye
+	im.mu.Unlock()
+	var err error
+	if !gone {
+		// Every mapping is closed: the goodbye lets the producer free. Stay
+		// connected until the producer has read it and closed (or ctx
+		// ends), so that its writes meanwhile cannot fail and lose the
+		// goodbye, which would make it wait for this process to exit.
+		if serr := im.conn.SendGoodbye(ctx, reason); serr == nil {
+			select {
+			case <-im.recvDone:
+			case <-ctx.Done():
+			}
+		} else if !errors.Is(serr, transport.ErrClosed) && !errors.Is(serr, transport.ErrDisconnected) {
+			err = serr
+		}
+	}
+	im.conn.Close()
+	im.pushTimer.Stop()
+	<-im.recvDone
+	im.mu.Lock()
+	for h, ev := range im.events {
+		if cerr := ev.Close(); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+		delete(im.events, h)
+	}
+	im.syncReleasesLocked()
+	for s, r := range im.relEvs {
+		if cerr := r.ev.Close(); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+		delete(im.relEvs, s)
+	}
+	im.mu.Unlock()
+	return err
+}
