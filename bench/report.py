@@ -95,7 +95,7 @@ def row(label, pjson, cjson, pexit, cexit, *meta):
     if c:
         for k in ("driver", "verify", "workers", "credits", "handoffs", "seconds", "handoffs_per_s",
                   "p50_us", "p99_us", "max_us", "verify_errors", "errors", "verified", "mappings", "read_test", "size",
-                  "async_waits", "shm"):
+                  "async_waits", "shm", "cpu_us_per_handoff"):
             if k in c:
                 out[k] = c[k]
         out["consumer_device"] = c.get("device")
@@ -107,6 +107,7 @@ def row(label, pjson, cjson, pexit, cexit, *meta):
         if asked and p.get("sharing") and p["sharing"] != asked:
             out["error"] = "asked for -sharing %s, the producer took %s: %s" % (asked, p["sharing"], p.get("sharing_why"))
         out["producer_batches_per_s"] = p.get("batches_per_s")
+        out["producer_cpu_us_per_batch"] = p.get("cpu_us_per_batch")
         out["allocations_left"] = p.get("allocations_left")
     errs = []
     if perr or pexit != "0":
@@ -243,6 +244,16 @@ def work(r):
     return r.get("gpu_work") or "-"
 
 
+def cpu(r):
+    """The CPU time per batch of the producer and per handoff of the
+    consumer (each process, user and system, every thread), where the row's
+    programs report it."""
+    p, c = r.get("producer_cpu_us_per_batch"), r.get("cpu_us_per_handoff")
+    if not p and not c:
+        return "-"
+    return "%s / %s" % (fmt(p, 1) if p else "-", fmt(c, 1) if c else "-")
+
+
 def in_flight(r):
     if r.get("impl") == "floor":
         return r.get("window")
@@ -278,8 +289,9 @@ def table(path, env=None):
     torch = {(r.get("mode"), r.get("size"), r.get("device"), r.get("consumer_device")): r["handoffs_per_s"]
              for r in rows if r.get("impl") == "torch.multiprocessing" and ok(r)}
 
-    print("| row | impl | buffers | GPUs | GPU work per batch | in flight | handoffs/s | p50 µs | p99 µs | x floor | x limit | x torch |")
-    print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| row | impl | buffers | GPUs | GPU work per batch | in flight | handoffs/s | p50 µs | p99 µs | CPU µs P / C "
+          "| x floor | x limit | x torch |")
+    print("| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     notes, targets, drains = [], [], []
     costs_rows = [r for r in rows if r.get("impl") == "vmmcost"]
     rows = [r for r in rows if r.get("impl") != "vmmcost"]
@@ -290,7 +302,7 @@ def table(path, env=None):
         cells = [r.get("row", "-"), impl, bufs(r), gpus(r), work(r), fmt(in_flight(r))]
         if r.get("skipped") or r.get("error"):
             why = r.get("skipped") or r.get("error")
-            cells += ["skipped" if r.get("skipped") else "FAILED", "", "", "", "", ""]
+            cells += ["skipped" if r.get("skipped") else "FAILED", "", "", "", "", "", ""]
             print("| " + " | ".join(cells) + " |")
             notes.append("%s: %s: %s" % (r.get("row"), "skipped" if r.get("skipped") else "FAILED", why))
             continue
@@ -318,7 +330,7 @@ def table(path, env=None):
                                                                           met(rate / t >= PY_TORCH_TARGET)))
         if impl == "cudashare":
             targets += hot_path_targets(r, rate, floor, limit, rows, ok)
-        cells += [fmt(rate), fmt(r.get("p50_us"), 1), fmt(r.get("p99_us"), 1), xf, xl, xt]
+        cells += [fmt(rate), fmt(r.get("p50_us"), 1), fmt(r.get("p99_us"), 1), cpu(r), xf, xl, xt]
         print("| " + " | ".join(cells) + " |")
     sharing_table(rows, torch, ok)
     cost_table(costs_rows)
@@ -339,6 +351,9 @@ def table(path, env=None):
     print("- x floor: handoffs/s over the bare socket's messages/s with as many in flight (one in flight: round trips/s); "
           "x limit: over the same GPU work in one process with no IPC (fill: stream C only waits; fill + copy: it copies "
           "the buffer), same buffer size and GPUs; x torch: over torch.multiprocessing, same mode, size and GPUs.")
+    print("- CPU µs P / C: the CPU time (user and system, every thread) of the producer process per batch and of the "
+          "consumer process per handoff, where the row's programs report it: what a handoff costs the CPUs a "
+          "trainer shares, including the polling of the shared-memory rings.")
     print("- p50/p99: floor rows, the round trip; the others, one way, from the offer (send, put) to the consumer's "
           "receipt on the host's CLOCK_MONOTONIC.")
     if not floor:

@@ -60,6 +60,10 @@ func TestHappyPath(t *testing.T) {
 				if r.Handoffs == 0 {
 					t.Errorf("consumer %d got no batch", i+1)
 				}
+				// The benchmark's CPU column: hundreds of batches cost some.
+				if r.Handoffs > 1 && r.CPUusPerHandoff <= 0 {
+					t.Errorf("consumer %d reports %v µs of CPU per handoff", i+1, r.CPUusPerHandoff)
+				}
 				if r.Verify == "async" && (r.Verified != r.Handoffs || r.VerifyErrors != 0) {
 					t.Errorf("consumer %d: %d of %d batches verified, %d wrong", i+1, r.Verified, r.Handoffs, r.VerifyErrors)
 				}
@@ -87,6 +91,9 @@ func TestHappyPath(t *testing.T) {
 			}
 			if pr.Retired != 1 {
 				t.Errorf("producer retired %d allocations, want 1", pr.Retired)
+			}
+			if pr.CPUusPerBatch <= 0 {
+				t.Errorf("producer reports %v µs of CPU per batch", pr.CPUusPerBatch)
 			}
 		})
 	}

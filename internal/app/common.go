@@ -293,6 +293,25 @@ func newLogger(stderr io.Writer, role string, verbose bool) *slog.Logger {
 	return slog.New(h).With("role", role, "pid", os.Getpid())
 }
 
+// cpuNow is the CPU time the process has used so far, user and system,
+// every thread (getrusage); 0 if it cannot be read.
+func cpuNow() time.Duration {
+	var ru unix.Rusage
+	if unix.Getrusage(unix.RUSAGE_SELF, &ru) != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// cpuPer is the CPU time from cpu0 to now per one of n, in µs (0 if n is 0
+// or cpu0 was not read).
+func cpuPer(cpu0 time.Duration, n uint64) float64 {
+	if n == 0 || cpu0 == 0 {
+		return 0
+	}
+	return round1(float64(cpuNow()-cpu0) / float64(n) / 1e3)
+}
+
 func seconds(d time.Duration) float64 { return math.Round(d.Seconds()*1000) / 1000 }
 
 func round1(f float64) float64 { return math.Round(f*10) / 10 }

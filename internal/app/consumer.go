@@ -182,6 +182,7 @@ type consumer struct {
 	bytes        atomic.Uint64
 	lastSize     atomic.Uint64
 	firstNS      atomic.Int64
+	cpu0         atomic.Int64 // cpuNow at the first receipt
 	lastNS       atomic.Int64
 	hist         histogram
 	bufs         sync.Pool // *[]byte of 16, for the bytes copied back
@@ -381,7 +382,9 @@ func (c *consumer) consume(ctx context.Context, imp *share.Importer, stdout io.W
 // It reports whether -count is reached.
 func (c *consumer) handle(l *share.Lease) (bool, error) {
 	recv := monoNow()
-	c.firstNS.CompareAndSwap(0, recv)
+	if c.firstNS.CompareAndSwap(0, recv) {
+		c.cpu0.Store(int64(cpuNow()))
+	}
 	seq, sent, ok := parseMeta(l.Meta())
 	if ok {
 		c.hist.record(recv - sent)
@@ -630,6 +633,7 @@ func (c *consumer) finishReport(err error) {
 	r.P50us = round1(float64(c.hist.quantile(0.50)) / 1e3)
 	r.P99us = round1(float64(c.hist.quantile(0.99)) / 1e3)
 	r.MaxUS = round1(float64(c.hist.max.Load()) / 1e3)
+	r.CPUusPerHandoff = cpuPer(time.Duration(c.cpu0.Load()), r.Handoffs)
 	if err == nil && (r.VerifyErrors > 0 || r.Errors > 0) {
 		err = fail(ExitFailure, nil, "%d batch(es) failed verification and %d could not be read back, of %d", r.VerifyErrors, r.Errors, r.Handoffs)
 	}

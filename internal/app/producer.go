@@ -302,7 +302,7 @@ func (p *producer) serve(ctx context.Context, exp *share.Exporter, dctx *driver.
 
 	meta := make([]byte, 0, 64)
 	group := make([]*share.Buffer, 0, p.cfg.group)
-	start := time.Now()
+	start, cpu0 := time.Now(), cpuNow()
 	end := start
 	p.rep.End = "count"
 	for seq := uint64(0); p.cfg.count == 0 || seq < p.cfg.count; {
@@ -374,6 +374,7 @@ func (p *producer) serve(ctx context.Context, exp *share.Exporter, dctx *driver.
 		p.rep.Seconds = seconds(d)
 		p.rep.BatchesPerS = round1(float64(p.rep.Batches) / d.Seconds())
 	}
+	p.rep.CPUusPerBatch = cpuPer(cpu0, p.rep.Batches)
 	return nil
 }
 

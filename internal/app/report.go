@@ -29,7 +29,10 @@ type ProducerReport struct {
 	Batches     uint64  `json:"batches"` // buffers filled and offered
 	Seconds     float64 `json:"seconds"` // from the first batch to the last offer
 	BatchesPerS float64 `json:"batches_per_s"`
-	End         string  `json:"end"` // count, duration, signal, or error
+	// CPUusPerBatch is the process's CPU time (user and system, every
+	// thread) from the first batch to the last offer, per batch.
+	CPUusPerBatch float64 `json:"cpu_us_per_batch"`
+	End           string  `json:"end"` // count, duration, signal, or error
 
 	// From share.ExporterStats after Shutdown.
 	Offers        uint64 `json:"offers"`
@@ -76,37 +79,38 @@ type ReadTest struct {
 
 // ConsumerReport is what the consumer prints with -json.
 type ConsumerReport struct {
-	Role           string    `json:"role"` // "consumer"
-	Impl           string    `json:"impl"` // "cudashare", so bench lines line up with torch's
-	Driver         string    `json:"driver"`
-	DriverReason   string    `json:"driver_reason"`
-	Device         int       `json:"device"`
-	DeviceUUID     string    `json:"device_uuid"`
-	ProducerDevice string    `json:"producer_device"` // UUID of the memory's device
-	SameDevice     bool      `json:"same_device"`
-	Socket         string    `json:"socket"`
-	SHM            bool      `json:"shm"` // the messages went through shared-memory rings, not the socket
-	Workers        int       `json:"workers"`
-	Credits        int       `json:"credits"`
-	Verify         string    `json:"verify"`
-	Handoffs       uint64    `json:"handoffs"`
-	Seconds        float64   `json:"seconds"` // first receipt to last release
-	HandoffsPerS   float64   `json:"handoffs_per_s"`
-	P50us          float64   `json:"p50_us"` // offer to receipt
-	P99us          float64   `json:"p99_us"`
-	MaxUS          float64   `json:"max_us"`
-	Bytes          uint64    `json:"bytes"` // bytes lent to this consumer (none copied)
-	Size           uint64    `json:"size"`  // size of the last buffer
-	Verified       uint64    `json:"verified"`
-	VerifyErrors   uint64    `json:"verify_errors"`
-	Errors         uint64    `json:"errors"`
-	BuffersSeen    int       `json:"buffers_seen"`          // distinct buffers (pointers) lent: reuse shows as few
-	Mappings       uint64    `json:"mappings"`              // IPC opens: one per allocation, not per batch
-	AsyncWaits     *uint64   `json:"async_waits,omitempty"` // -verify async: times a worker waited for its checks' copy back
-	End            string    `json:"end"`
-	ReadTest       *ReadTest `json:"read_test,omitempty"`
-	Error          string    `json:"error,omitempty"`
-	Exit           int       `json:"exit"`
+	Role            string    `json:"role"` // "consumer"
+	Impl            string    `json:"impl"` // "cudashare", so bench lines line up with torch's
+	Driver          string    `json:"driver"`
+	DriverReason    string    `json:"driver_reason"`
+	Device          int       `json:"device"`
+	DeviceUUID      string    `json:"device_uuid"`
+	ProducerDevice  string    `json:"producer_device"` // UUID of the memory's device
+	SameDevice      bool      `json:"same_device"`
+	Socket          string    `json:"socket"`
+	SHM             bool      `json:"shm"` // the messages went through shared-memory rings, not the socket
+	Workers         int       `json:"workers"`
+	Credits         int       `json:"credits"`
+	Verify          string    `json:"verify"`
+	Handoffs        uint64    `json:"handoffs"`
+	Seconds         float64   `json:"seconds"` // first receipt to last release
+	HandoffsPerS    float64   `json:"handoffs_per_s"`
+	P50us           float64   `json:"p50_us"` // offer to receipt
+	P99us           float64   `json:"p99_us"`
+	MaxUS           float64   `json:"max_us"`
+	CPUusPerHandoff float64   `json:"cpu_us_per_handoff"` // the process's CPU time (user and system, every thread) from the first receipt to the report, per handoff
+	Bytes           uint64    `json:"bytes"`              // bytes lent to this consumer (none copied)
+	Size            uint64    `json:"size"`               // size of the last buffer
+	Verified        uint64    `json:"verified"`
+	VerifyErrors    uint64    `json:"verify_errors"`
+	Errors          uint64    `json:"errors"`
+	BuffersSeen     int       `json:"buffers_seen"`          // distinct buffers (pointers) lent: reuse shows as few
+	Mappings        uint64    `json:"mappings"`              // IPC opens: one per allocation, not per batch
+	AsyncWaits      *uint64   `json:"async_waits,omitempty"` // -verify async: times a worker waited for its checks' copy back
+	End             string    `json:"end"`
+	ReadTest        *ReadTest `json:"read_test,omitempty"`
+	Error           string    `json:"error,omitempty"`
+	Exit            int       `json:"exit"`
 }
 
 // ConsumerProgress is the line the consumer prints every -report-every

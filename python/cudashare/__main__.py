@@ -6,6 +6,7 @@ either."""
 import argparse
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -26,6 +27,13 @@ def pattern_byte(batch):
     return batch % 251 + 1
 
 
+def _cpu():
+    """The process's CPU time so far in seconds, user and system, every
+    thread: what the Go consumer's cpu_us_per_handoff counts."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
 def _uuid(b):
     if not b:
         return ""
@@ -37,7 +45,7 @@ def consume(args, out):
     rep = {"role": "consumer", "impl": "cudashare-python", "driver": "", "driver_reason": "", "device": args.device,
            "device_uuid": "", "producer_device": "", "same_device": False, "socket": args.socket,
            "workers": args.workers, "credits": args.credits, "verify": args.verify, "handoffs": 0,
-           "seconds": 0.0, "handoffs_per_s": 0.0, "p50_us": 0.0, "p99_us": 0.0, "max_us": 0.0, "bytes": 0,
+           "seconds": 0.0, "handoffs_per_s": 0.0, "p50_us": 0.0, "p99_us": 0.0, "max_us": 0.0, "cpu_us_per_handoff": 0.0, "bytes": 0,
            "size": 0, "verified": 0, "verify_errors": 0, "errors": 0, "buffers_seen": 0, "mappings": 0,
            "shm": False, "end": "", "exit": 0}
     # shm: this consumer does not ask for the shared-memory rings (PROTOCOL.md
@@ -46,6 +54,7 @@ def consume(args, out):
     seen = set()
     lock = threading.Lock()
     times = [None, None]
+    cpu0 = [None]  # the process's CPU time at the first receipt
     try:
         c = connect(args.socket, device=args.device, credits=args.credits, backend=args.driver, wait=args.wait)
     except (FileNotFoundError, ConnectionRefusedError) as e:
@@ -65,6 +74,7 @@ def consume(args, out):
         with lock:
             if times[0] is None:
                 times[0] = now
+                cpu0[0] = _cpu()
         m = lease.meta if isinstance(lease.meta, dict) else {}
         batch, sent = m.get("batch"), m.get("t")
         ok = isinstance(batch, int) and isinstance(sent, int)
@@ -124,6 +134,8 @@ def consume(args, out):
         rep["seconds"] = round(secs, 3)
         if rep["handoffs"] > 1:
             rep["handoffs_per_s"] = round(rep["handoffs"] / secs, 1)
+    if cpu0[0] is not None and rep["handoffs"]:
+        rep["cpu_us_per_handoff"] = round((_cpu() - cpu0[0]) / rep["handoffs"] * 1e6, 1)
     if lat:
         lat.sort()
         rep["p50_us"] = round(lat[len(lat) // 2] / 1e3, 1)
