@@ -108,7 +108,8 @@ type Conn struct {
 	// that frame.
 	cut bool
 	// lastWrite is when the last write ended: a send soon after it is
-	// part of a stream, and waits for the writer to batch it.
+	// part of a stream, and waits for the writer to batch it. Socket
+	// connections only: a ring takes every send at once.
 	lastWrite time.Time
 	wr        writeOp
 	// Ring mode, for the write side's owner: bellLeft is what the socket

@@ -112,7 +112,9 @@ func (c *Conn) writeNow() bool {
 	}
 	c.mu.Lock()
 	c.writing = false
-	c.lastWrite = time.Now()
+	if c.ring == nil {
+		c.lastWrite = time.Now() // only the socket's heuristic reads it
+	}
 	c.written += uint64(n)
 	if c.ring != nil {
 		// The socket, where an error message goes, has whole frames.
@@ -198,7 +200,9 @@ func (c *Conn) writeLoop() {
 			}
 			c.mu.Lock()
 			c.writing = false
-			c.lastWrite = time.Now()
+			if c.ring == nil {
+				c.lastWrite = time.Now()
+			}
 			c.spare, c.spareFDs = buf[:0], fds[:0]
 			if err == nil {
 				c.written += uint64(len(buf))
