@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 	"unsafe"
@@ -69,6 +70,8 @@ type Conn struct {
 	handshaking bool
 	rd          readOp
 	watch       ctxWatch
+	intr        atomic.Bool // Interrupt: the next Recv to wait returns ErrInterrupted
+	try         bool        // in TryRecv: a read that would wait returns errWouldBlock
 	// Ring mode (ring.go), under rmu: sbuf[sr:sw] is what the socket
 	// brought and no frame has taken yet, sockEnd how the socket ended
 	// (the ring is read to its end first), gap the last wait for the

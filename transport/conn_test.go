@@ -676,6 +676,106 @@ func TestRecvContext(t *testing.T) {
 	}
 }
 
+// TestRecvInterrupt: Interrupt ends one wait of Recv, whether it waits
+// already or not yet, with ErrInterrupted, and leaves the connection, and
+// its context's watch, working.
+func TestRecvInterrupt(t *testing.T) {
+	prod, cons := pair(t, testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil))
+	var m Message
+	short := func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 30*time.Millisecond)
+		defer cancel()
+		return cons.Recv(ctx, &m)
+	}
+	// While Recv waits, with a context that never ends and with one that
+	// does: the watch of the second must survive the interrupt.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	for _, c := range []context.Context{context.Background(), ctx, ctx} {
+		time.AfterFunc(30*time.Millisecond, cons.Interrupt)
+		if err := cons.Recv(c, &m); !errors.Is(err, ErrInterrupted) {
+			t.Fatalf("Recv interrupted: %v", err)
+		}
+	}
+	time.AfterFunc(30*time.Millisecond, cancel)
+	if err := cons.Recv(ctx, &m); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Recv whose context ends after an interrupt: %v", err)
+	}
+	// Before Recv waits: several interrupts end one wait, not more.
+	cons.Interrupt()
+	cons.Interrupt()
+	if err := cons.Recv(context.Background(), &m); !errors.Is(err, ErrInterrupted) {
+		t.Fatalf("Recv after Interrupt: %v", err)
+	}
+	if err := short(); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("the second Recv after two interrupts: %v, want its own deadline", err)
+	}
+	// Nothing is lost: a message sent before an interrupt is received,
+	// either at once (the interrupt then ends the next wait) or after
+	// the interrupted wait.
+	o := testOffer()
+	if err := prod.SendOffer(testCtx(t), &o); err != nil {
+		t.Fatal(err)
+	}
+	cons.Interrupt()
+	err := cons.Recv(context.Background(), &m)
+	pending := err == nil
+	if errors.Is(err, ErrInterrupted) {
+		err = cons.Recv(context.Background(), &m)
+	}
+	if err != nil || m.Kind != KindOffer || m.Offer.Seq != o.Seq {
+		t.Fatalf("after an interrupt: %v seq %d, %v; want offer %d", m.Kind, m.Offer.Seq, err, o.Seq)
+	}
+	if pending {
+		if err := short(); !errors.Is(err, ErrInterrupted) {
+			t.Fatalf("the first wait after an interrupt that no Recv took: %v", err)
+		}
+	}
+	if err := short(); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Recv with nothing sent: %v", err)
+	}
+}
+
+// TestTryRecv: TryRecv takes what has arrived and reports false, at
+// once, when nothing has; the connection then receives as before.
+func TestTryRecv(t *testing.T) {
+	prod, cons := pair(t, testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil))
+	ctx := testCtx(t)
+	var m Message
+	if ok, err := cons.TryRecv(&m); ok || err != nil {
+		t.Fatalf("TryRecv with nothing sent: %v %v", ok, err)
+	}
+	o := testOffer()
+	for i := range 3 {
+		o.Seq = uint64(i + 1)
+		if err := prod.SendOffer(ctx, &o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := prod.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	// The first may need a Recv: flushed is written, not yet arrived.
+	if err := cons.Recv(ctx, &m); err != nil || m.Offer.Seq != 1 {
+		t.Fatalf("Recv: %v seq %d, %v", m.Kind, m.Offer.Seq, err)
+	}
+	for want := uint64(2); want <= 3; want++ {
+		if ok, err := cons.TryRecv(&m); !ok || err != nil || m.Kind != KindOffer || m.Offer.Seq != want {
+			t.Fatalf("TryRecv of what has arrived: %v %v, %v seq %d; want offer %d", ok, err, m.Kind, m.Offer.Seq, want)
+		}
+	}
+	if ok, err := cons.TryRecv(&m); ok || err != nil {
+		t.Fatalf("TryRecv with everything taken: %v %v", ok, err)
+	}
+	o.Seq = 4
+	if err := prod.SendOffer(ctx, &o); err != nil {
+		t.Fatal(err)
+	}
+	if err := cons.Recv(ctx, &m); err != nil || m.Offer.Seq != 4 {
+		t.Fatalf("Recv after TryRecv: %v seq %d, %v", m.Kind, m.Offer.Seq, err)
+	}
+}
+
 // TestClose proves Close is idempotent and unblocks every blocked call.
 func TestClose(t *testing.T) {
 	checkNoFDLeak(t)

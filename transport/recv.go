@@ -61,6 +61,29 @@ const (
 func (c *Conn) Recv(ctx context.Context, m *Message) error {
 	c.rmu.Lock()
 	defer c.rmu.Unlock()
+	return c.recvLocked(ctx, m)
+}
+
+// TryRecv is Recv that never waits: it reports false, and receives
+// nothing, when the next message has not arrived whole. A reader that has
+// a message in hand uses it to take what else has come, for others,
+// without sleeping on the socket.
+func (c *Conn) TryRecv(m *Message) (bool, error) {
+	c.rmu.Lock()
+	defer c.rmu.Unlock()
+	c.try = true
+	err := c.recvLocked(context.Background(), m)
+	c.try = false
+	if err == errWouldBlock {
+		return false, nil
+	}
+	return err == nil, err
+}
+
+// errWouldBlock is what a read in TryRecv returns instead of waiting.
+var errWouldBlock = errors.New("transport: would block")
+
+func (c *Conn) recvLocked(ctx context.Context, m *Message) error {
 	if c.rerr != nil {
 		return c.rerr
 	}
@@ -75,9 +98,27 @@ func (c *Conn) Recv(ctx context.Context, m *Message) error {
 		if ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
 			return err
 		}
+		if err == ErrInterrupted || err == errWouldBlock {
+			return err
+		}
 		return c.recvFailed(err)
 	}
 	return nil
+}
+
+// Interrupt makes the Recv that waits now for the peer, or else the next
+// one that has to wait, return ErrInterrupted; the connection stays
+// usable, and what was received is kept for the next Recv. A receiver
+// that shares the connection's reading with others (share.Importer's Next
+// and its background reader) uses it to take back a Recv that would
+// otherwise wait for the peer's next message. Interrupts do not
+// accumulate: several before a Recv waits end one wait.
+func (c *Conn) Interrupt() {
+	// The flag first, then the deadline: a Recv that checks the flag
+	// (armWait) before it is set finds the deadline in the past when it
+	// reads, whatever deadline it set itself.
+	c.intr.Store(true)
+	c.nc.SetReadDeadline(longAgo)
 }
 
 // readFrame returns the body of the next frame, a view into rbuf.
@@ -138,10 +179,13 @@ func (c *Conn) fill(ctx context.Context, avail int) error {
 	if c.ring != nil && !c.handshaking {
 		return c.fillRing(ctx, avail)
 	}
-	if err := c.armWait(ctx, avail); err != nil {
-		return err
+	var n, end int
+	var err error
+	if c.try {
+		n, end, err = c.readSocketNow(c.rbuf[c.w:])
+	} else if err = c.armWait(ctx, avail); err == nil {
+		n, end, err = c.readSocket(ctx, c.rbuf[c.w:], avail)
 	}
-	n, end, err := c.readSocket(ctx, c.rbuf[c.w:], avail)
 	if err != nil {
 		return err
 	}
@@ -195,7 +239,29 @@ func (c *Conn) armWait(ctx context.Context, avail int) error {
 	} else if c.watch.done != nil {
 		c.armRead(ctx, nil)
 	}
+	// Last, after every deadline this function sets (see Interrupt).
+	if c.intr.Load() && !c.handshaking {
+		return c.interrupted()
+	}
 	return nil
+}
+
+// interrupted takes an Interrupt: the flag is consumed, and the deadline
+// it set in the past gives way to the frame's, unless the watched context
+// has ended and wants it in the past too.
+func (c *Conn) interrupted() error {
+	c.intr.Store(false)
+	w := &c.watch
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	dl := c.rdl
+	if w.fired {
+		dl = longAgo
+	}
+	if err := c.nc.SetReadDeadline(dl); err != nil {
+		return c.failure()
+	}
+	return ErrInterrupted
 }
 
 // How the socket ended, once read: end of stream, or reset.
@@ -219,6 +285,9 @@ func (c *Conn) readSocket(ctx context.Context, p []byte, avail int) (n, end int,
 			if c.handshaking {
 				return 0, 0, fmt.Errorf("%w: no answer within %v", ErrHandshake, c.cfg.HandshakeTimeout)
 			}
+			if c.intr.Load() {
+				return 0, 0, c.interrupted()
+			}
 			if !c.rdl.IsZero() && !time.Now().Before(c.rdl) {
 				return 0, 0, fmt.Errorf("%w: a frame cut off after %d bytes for %v (FrameTimeout)", ErrTimeout, avail, c.cfg.FrameTimeout)
 			}
@@ -228,6 +297,23 @@ func (c *Conn) readSocket(ctx context.Context, p []byte, avail int) (n, end int,
 			return 0, 0, c.failure()
 		}
 		return 0, 0, err
+	}
+	return c.took()
+}
+
+// readSocketNow is readSocket for TryRecv: what the socket has, or
+// errWouldBlock. Control, not Read: no deadline applies to what has
+// arrived already.
+func (c *Conn) readSocketNow(p []byte) (n, end int, err error) {
+	op := &c.rd
+	op.p = p
+	if err := c.rc.Control(op.now); err != nil {
+		op.p = nil
+		return 0, 0, c.failure()
+	}
+	if op.errno == unix.EAGAIN {
+		op.p = nil
+		return 0, 0, errWouldBlock
 	}
 	return c.took()
 }

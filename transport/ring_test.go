@@ -32,7 +32,7 @@ func TestSocketMode(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short")
 	}
-	cmd := exec.Command(os.Args[0], "-test.run", "^Test(Exchange|Credits|FDPassing|Close|ConcurrentSenders|ShutdownWhilePeerWrites|SocketFullKeepsOrder|SendGoodbye.*|WriteTimeout.*|SlowReaderNotTimedOut|ReleaseEvent|RecvContext|SendContext|ReceiveBufferGrows|CloseWithError|RemoteError.*|ErrorWaitsForWriteUnderWay|RingMixed)$")
+	cmd := exec.Command(os.Args[0], "-test.run", "^Test(Exchange|Credits|FDPassing|Close|ConcurrentSenders|ShutdownWhilePeerWrites|SocketFullKeepsOrder|SendGoodbye.*|WriteTimeout.*|SlowReaderNotTimedOut|ReleaseEvent|RecvContext|RecvInterrupt|TryRecv|SendContext|ReceiveBufferGrows|CloseWithError|RemoteError.*|ErrorWaitsForWriteUnderWay|RingMixed)$")
 	cmd.Env = append(os.Environ(), socketModeEnv+"=1")
 	out, err := cmd.CombinedOutput()
 	if err != nil || !strings.Contains(string(out), "PASS") {

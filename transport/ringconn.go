@@ -50,6 +50,9 @@ func (c *Conn) fillRing(ctx context.Context, avail int) error {
 			// The peer wrote everything before it closed: it is read.
 			return c.endErr(avail, c.sockEnd)
 		}
+		if c.try {
+			return errWouldBlock
+		}
 		if waited.IsZero() {
 			waited = time.Now()
 			if c.spinRing(ctx, waited) {
@@ -87,7 +90,7 @@ func (c *Conn) spinRing(ctx context.Context, start time.Time) bool {
 			return true
 		}
 		if i%16 == 0 {
-			if time.Now().After(until) {
+			if time.Now().After(until) || c.intr.Load() {
 				return false
 			}
 			if done != nil {
