@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"sync"
 	"sync/atomic"
@@ -62,6 +61,7 @@ const MaxCredits = 1 << 16
 // ImporterStats are an importer's counters.
 type ImporterStats struct {
 	Leases   uint64 // handed out by Next
+	Direct   uint64 // of those, read from the connection by Next itself, not queued by the background reader
 	Released uint64 // released, by Release or on the user's behalf
 	Leaked   uint64 // garbage-collected without Release (and then released)
 	Held     int    // handed out and not released now
@@ -76,11 +76,14 @@ const (
 	stateClosed
 )
 
-// Importer is the consumer side: one connection to a producer. A
-// goroutine of its own receives offers, maps them (through the registry:
-// one open per allocation) and queues them for Next, and answers the
-// producer's retires as soon as no lease is in the allocation, whether or
-// not anyone calls Next.
+// Importer is the consumer side: one connection to a producer. Offers are
+// mapped through the registry (one open per allocation). While the
+// application keeps calling Next, the goroutine in Next reads the
+// connection itself and hands out the offer it reads, with no other
+// goroutine involved; once Next has not been called for a moment, a
+// goroutine of the importer's own reads instead, queueing offers for Next
+// and answering the producer's retires as soon as no lease is in the
+// allocation, whether or not anyone calls Next (reader.go).
 type Importer struct {
 	dctx   *driver.Context
 	dev    driver.UUID
@@ -92,8 +95,18 @@ type Importer struct {
 
 	ready    chan *Lease   // mapped offers for Next, and mapping errors
 	stop     chan struct{} // closed when Next must stop: producer gone, Shutdown or Close
-	recvDone chan struct{}
+	recvDone chan struct{} // closed when the connection's end has been read
+	bgDone   chan struct{} // closed when the background reader has returned
 	leaked   atomic.Uint64
+
+	// The reading (reader.go): whoever takes the token from rtok reads
+	// the connection, into msg, and sets readDone at its end. nexts
+	// counts the waits in Next, for the background reader to see that
+	// Next is reading.
+	rtok     chan struct{}
+	nexts    atomic.Uint64
+	msg      transport.Message
+	readDone bool
 
 	mu        sync.Mutex
 	state     int
@@ -167,6 +180,8 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 		ready:    make(chan *Lease, 2*int(cfg.Credits)),
 		stop:     make(chan struct{}),
 		recvDone: make(chan struct{}),
+		bgDone:   make(chan struct{}),
+		rtok:     make(chan struct{}, 1),
 		allocs:   make(map[uint64]*impAlloc),
 		failed:   make(map[uint64]error),
 		events:   make(map[transport.Handle]*driver.Event),
@@ -180,7 +195,8 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 	}
 	im.pushTimer = time.AfterFunc(time.Hour, im.push)
 	im.pushTimer.Stop()
-	go im.recvLoop()
+	im.rtok <- struct{}{}
+	go im.readLoop()
 	return im, nil
 }
 
@@ -235,56 +251,76 @@ func (im *Importer) NextOn(ctx context.Context, s *driver.Stream) (*Lease, error
 		return nil, err
 	}
 	var l *Lease
+	direct := false
 	select {
 	case l = <-im.ready:
 	default:
-		// About to wait for the producer: what was released must reach
-		// it first, or it may have no credit to offer with.
-		im.push()
-		im.waiters.Add(1)
-		select {
-		case l = <-im.ready:
-			im.waiters.Add(-1)
-		case <-im.stop:
-			im.waiters.Add(-1)
-			if err := ctx.Err(); err != nil {
-				return nil, err
-			}
-			im.mu.Lock()
-			defer im.mu.Unlock()
-			return nil, im.ended
-		case <-ctx.Done():
-			im.waiters.Add(-1)
-			return nil, ctx.Err()
-		}
-	}
-	{
-		if l.err != nil {
-			return nil, l.err
-		}
-		if err := im.handOut(l); err != nil {
+		var err error
+		if l, direct, err = im.wait(ctx); err != nil {
 			return nil, err
 		}
-		l.stream = s
-		if l.ev != nil {
-			var err error
-			if s != nil {
-				err = s.WaitEvent(l.ev)
-			} else {
-				err = l.ev.Synchronize()
-			}
-			if err != nil {
-				l.Release()
-				return nil, fmt.Errorf("share: wait for the producer's event: %w", err)
-			}
+	}
+	if l.err != nil {
+		return nil, l.err
+	}
+	if err := im.handOut(l, direct); err != nil {
+		return nil, err
+	}
+	l.stream = s
+	if l.ev != nil {
+		var err error
+		if s != nil {
+			err = s.WaitEvent(l.ev)
+		} else {
+			err = l.ev.Synchronize()
 		}
-		return l, nil
+		if err != nil {
+			l.Release()
+			return nil, fmt.Errorf("share: wait for the producer's event: %w", err)
+		}
+	}
+	return l, nil
+}
+
+// wait waits for the next lease with none queued: it reads the
+// connection itself while nobody else does (reader.go); direct says it
+// did.
+func (im *Importer) wait(ctx context.Context) (_ *Lease, direct bool, _ error) {
+	// About to wait for the producer: what was released must reach it
+	// first, or it may have no credit to offer with.
+	im.push()
+	im.nexts.Add(1)
+	im.waiters.Add(1)
+	defer im.waiters.Add(-1)
+	for {
+		select {
+		case l := <-im.ready:
+			return l, false, nil
+		case <-im.rtok:
+			var l *Lease
+			direct = im.readFor(ctx, &l)
+			im.rtok <- struct{}{}
+			if l != nil {
+				return l, direct, nil
+			}
+			// The context ended, or the importer stopped.
+		case <-im.stop:
+		case <-ctx.Done():
+		}
+		if err := ctx.Err(); err != nil {
+			return nil, false, err
+		}
+		if im.stopped() {
+			im.mu.Lock()
+			defer im.mu.Unlock()
+			return nil, false, im.ended
+		}
 	}
 }
 
 // handOut accounts for a lease given to the user, unless the importer has
 // stopped meanwhile, in which case the lease is dropped.
-func (im *Importer) handOut(l *Lease) error {
+func (im *Importer) handOut(l *Lease, direct bool) error {
 	im.mu.Lock()
 	defer im.mu.Unlock()
 	if im.ended != nil {
@@ -294,41 +330,15 @@ func (im *Importer) handOut(l *Lease) error {
 	l.st.out[l.idx] = heldLease{a: l.a, seq: l.seq, live: true}
 	im.held++
 	im.stats.Leases++
+	if direct {
+		im.stats.Direct++
+	}
 	return nil
 }
 
-// recvLoop receives the producer's messages until the connection ends.
-func (im *Importer) recvLoop() {
-	defer close(im.recvDone)
-	var m transport.Message
-	var err error
-	for {
-		if err = im.conn.Recv(context.Background(), &m); err != nil {
-			break
-		}
-		switch m.Kind {
-		case transport.KindOffer:
-			im.onOffer(&m.Offer)
-		case transport.KindRetire:
-			im.onRetire(m.AllocID)
-		case transport.KindGoodbye:
-			im.mu.Lock()
-			im.byeWhy = m.Reason
-			im.mu.Unlock()
-			err = io.EOF
-		}
-		if err != nil {
-			break
-		}
-	}
-	im.onEnd(err)
-	// Nothing comes after a goodbye; closing at once lets a producer that
-	// lingers after its goodbye finish.
-	im.conn.Close()
-}
-
-// onOffer maps an offer and queues its lease.
-func (im *Importer) onOffer(o *transport.Offer) {
+// onOffer maps an offer and returns its lease (one with the error if it
+// could not be mapped; nil if the importer is shutting down).
+func (im *Importer) onOffer(o *transport.Offer) *Lease {
 	// The descriptors are ours; an import keeps what it needs.
 	defer func() {
 		for _, fd := range o.FDs {
@@ -340,7 +350,7 @@ func (im *Importer) onOffer(o *transport.Offer) {
 	if im.state != stateOpen {
 		// Shutting down: hand it straight back.
 		im.sendReleaseLocked(o.Seq, nil)
-		return
+		return nil
 	}
 	l, err := im.leaseLocked(o)
 	if errors.Is(err, transport.ErrMalformed) || errors.Is(err, transport.ErrNotSupported) {
@@ -351,13 +361,7 @@ func (im *Importer) onOffer(o *transport.Offer) {
 		im.sendReleaseLocked(o.Seq, nil)
 		l = &Lease{err: fmt.Errorf("share: offer %d of allocation %d: %w", o.Seq, o.AllocID, err)}
 	}
-	select {
-	case im.ready <- l:
-	default:
-		// Only errors can find the queue full (leases are bounded by the
-		// credits): drop this one.
-		im.log.Warn("share: dropping an offer error, too many queued", "err", l.err)
-	}
+	return l
 }
 
 // leaseLocked maps o (or finds its mapping) and builds its lease.

@@ -52,6 +52,8 @@ func (im *Importer) endLocked(err error) {
 	if im.ended == nil {
 		im.ended = err
 		close(im.stop)
+		// A Next that reads the connection returns (reader.go).
+		im.conn.Interrupt()
 	}
 }
 
@@ -128,6 +130,7 @@ func (im *Importer) close(ctx context.Context, reason string) error {
 	if im.state == stateClosed {
 		im.mu.Unlock()
 		<-im.recvDone
+		<-im.bgDone
 		return nil
 	}
 	im.state = stateClosed
@@ -157,6 +160,7 @@ func (im *Importer) close(ctx context.Context, reason string) error {
 	im.conn.Close()
 	im.pushTimer.Stop()
 	<-im.recvDone
+	<-im.bgDone
 	im.mu.Lock()
 	for h, ev := range im.events {
 		if cerr := ev.Close(); cerr != nil {

@@ -1,0 +1,245 @@
+//go:build linux
+
+package share
+
+import (
+	"context"
+	"errors"
+	"io"
+	"time"
+
+	"github.com/seed743c36cf/cudashare/transport"
+)
+
+// This file is who reads the producer's messages. The connection has one
+// reader at a time, whoever holds the importer's reading token (rtok):
+//
+//   - a goroutine in Next that finds no lease queued takes the token, if it
+//     is free, and reads the connection itself until an offer comes, which
+//     it hands out without queueing it: no other goroutine is woken and no
+//     thread is crossed per handoff, which is what the handoff costs
+//     otherwise (bench/RESULTS.md: GOMAXPROCS=1 made it 1.4-2x faster);
+//   - the background reader takes the token once no Next has begun for a
+//     handover period, so that retire, goodbye and the connection's end
+//     are handled while the application is busy, or gone, and offers are
+//     mapped and queued; it gives the token back after the message in
+//     hand once Next runs again (a goroutine that waits in Next meanwhile
+//     is woken by the lease the background reader queues).
+//
+// A goroutine in Next that finds the token taken waits for a queued lease
+// or for the token, whichever comes first. Once the importer has stopped
+// (Shutdown, Close, the producer gone), Next reads no more and the
+// background reader reads until the connection ends.
+
+// handover is how long no Next must begin before the background reader
+// takes the connection.
+const handover = time.Millisecond
+
+// readLoop is the background reader.
+func (im *Importer) readLoop() {
+	defer close(im.bgDone)
+	t := time.NewTimer(handover)
+	defer t.Stop()
+	stop := im.stop
+	seen := im.nexts.Load()
+	pause := func() bool { // false once the reading has ended
+		t.Reset(handover)
+		select {
+		case <-t.C:
+			return true
+		case <-stop:
+			// Read from now on whenever the token is free.
+			stop = nil
+			t.Stop()
+			return true
+		case <-im.recvDone:
+			return false
+		}
+	}
+	for {
+		stopped := stop == nil
+		if n := im.nexts.Load(); n != seen && !stopped {
+			seen = n
+			if !pause() {
+				return
+			}
+			continue
+		}
+		// A handover without a new Next: take the token when it is
+		// free (a Next reading since before then holds it until an
+		// offer comes).
+		select {
+		case <-im.rtok:
+		case <-stop:
+			stop = nil
+			continue
+		case <-im.recvDone:
+			return
+		}
+		if !stopped && (im.nexts.Load() != seen || im.waiters.Load() > 0) {
+			// Next is back, or waits for the token: it reads.
+			im.rtok <- struct{}{}
+			if !pause() {
+				return
+			}
+			continue
+		}
+		ended := im.readBackground(stopped)
+		im.rtok <- struct{}{}
+		if ended {
+			return
+		}
+	}
+}
+
+// readFor reads the connection for Next, as the token's holder, until an
+// offer comes, whose lease it puts in *next, or ctx ends, or the importer
+// stops. direct says the lease came from the connection, not from the
+// background reader's queue.
+func (im *Importer) readFor(ctx context.Context, next **Lease) (direct bool) {
+	for !im.readDone {
+		// What the background reader queued comes first.
+		select {
+		case l := <-im.ready:
+			*next = l
+			return false
+		case <-im.stop:
+			return false
+		default:
+		}
+		err := im.conn.Recv(ctx, &im.msg)
+		if err != nil {
+			if errors.Is(err, transport.ErrInterrupted) {
+				continue // the importer stopped (or an earlier interrupt)
+			}
+			if ctx.Err() == nil || !(errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
+				im.readEnd(err)
+			}
+			return false
+		}
+		l, err := im.onMessage(&im.msg)
+		if err != nil {
+			im.readEnd(err)
+			return false
+		}
+		if l != nil {
+			*next = l
+			if im.waiters.Load() > 1 {
+				// Others wait: what has come is theirs.
+				im.drain()
+			}
+			return true
+		}
+	}
+	return false
+}
+
+// readBackground reads the connection for the background reader, as the
+// token's holder, queueing the leases, until Next runs again, unless the
+// importer has stopped (stopped), and then until the connection ends. It
+// reports whether the connection has ended.
+func (im *Importer) readBackground(stopped bool) (ended bool) {
+	seen := im.nexts.Load()
+	for !im.readDone {
+		err := im.conn.Recv(context.Background(), &im.msg)
+		if errors.Is(err, transport.ErrInterrupted) {
+			// The importer stopped (or an interrupt meant for Next).
+			stopped = stopped || im.stopped()
+			continue
+		}
+		var l *Lease
+		if err == nil {
+			l, err = im.onMessage(&im.msg)
+		}
+		if err != nil {
+			im.readEnd(err)
+			break
+		}
+		if l != nil {
+			im.queue(l)
+		}
+		if !stopped {
+			if im.stopped() {
+				stopped = true
+			} else if im.nexts.Load() != seen || im.waiters.Load() > 0 {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// drainMax bounds the messages a Next takes for others (drain) before it
+// returns with its own lease.
+const drainMax = 64
+
+// drain handles, without waiting, the messages that have arrived, up to
+// drainMax, and queues their leases.
+func (im *Importer) drain() {
+	for range drainMax {
+		ok, err := im.conn.TryRecv(&im.msg)
+		var l *Lease
+		if ok {
+			l, err = im.onMessage(&im.msg)
+		}
+		if err != nil {
+			im.readEnd(err)
+			return
+		}
+		if !ok {
+			return
+		}
+		if l != nil {
+			im.queue(l)
+		}
+	}
+}
+
+// onMessage handles one message from the producer; an offer gives its
+// lease. A goodbye ends the reading with io.EOF.
+func (im *Importer) onMessage(m *transport.Message) (*Lease, error) {
+	switch m.Kind {
+	case transport.KindOffer:
+		return im.onOffer(&m.Offer), nil
+	case transport.KindRetire:
+		im.onRetire(m.AllocID)
+	case transport.KindGoodbye:
+		im.mu.Lock()
+		im.byeWhy = m.Reason
+		im.mu.Unlock()
+		return nil, io.EOF
+	}
+	return nil, nil
+}
+
+// readEnd ends the reading, once: the connection's end (err) ends the
+// importer.
+func (im *Importer) readEnd(err error) {
+	im.readDone = true
+	im.onEnd(err)
+	// Nothing comes after a goodbye; closing at once lets a producer that
+	// lingers after its goodbye finish.
+	im.conn.Close()
+	close(im.recvDone)
+}
+
+// stopped reports whether Next has stopped for good.
+func (im *Importer) stopped() bool {
+	select {
+	case <-im.stop:
+		return true
+	default:
+		return false
+	}
+}
+
+// queue queues a lease for Next.
+func (im *Importer) queue(l *Lease) {
+	select {
+	case im.ready <- l:
+	default:
+		// Only errors can find the queue full (leases are bounded by the
+		// credits): drop this one.
+		im.log.Warn("share: dropping an offer error, too many queued", "err", l.err)
+	}
+}
