@@ -99,12 +99,10 @@ type Importer struct {
 	bgDone   chan struct{} // closed when the background reader has returned
 	leaked   atomic.Uint64
 
-	// The reading (reader.go): whoever takes the token from rtok reads
-	// the connection, into msg, and sets readDone at its end. nexts
-	// counts the waits in Next, for the background reader to see that
-	// Next is reading.
-	rtok     chan struct{}
-	nexts    atomic.Uint64
+	// The reading (reader.go): whoever holds rd's token reads the
+	// connection, into msg, and sets readDone at its end. rd counts the
+	// goroutines waiting in Next.
+	rd       handover
 	msg      transport.Message
 	readDone bool
 
@@ -121,7 +119,6 @@ type Importer struct {
 	pending   int                          // releases queued and not yet pushed
 	pushAt    int                          // pending releases that are pushed at once
 	pushTimer *time.Timer                  // pushes after releaseDelay
-	waiters   atomic.Int32                 // goroutines waiting in Next
 	held      int                          // leases handed out and not released
 	heldZero  chan struct{}                // closed when held reaches 0; made by Shutdown
 	stats     ImporterStats
@@ -181,7 +178,6 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 		stop:     make(chan struct{}),
 		recvDone: make(chan struct{}),
 		bgDone:   make(chan struct{}),
-		rtok:     make(chan struct{}, 1),
 		allocs:   make(map[uint64]*impAlloc),
 		failed:   make(map[uint64]error),
 		events:   make(map[transport.Handle]*driver.Event),
@@ -195,7 +191,7 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 	}
 	im.pushTimer = time.AfterFunc(time.Hour, im.push)
 	im.pushTimer.Stop()
-	im.rtok <- struct{}{}
+	im.rd.init()
 	go im.readLoop()
 	return im, nil
 }
@@ -289,17 +285,16 @@ func (im *Importer) wait(ctx context.Context) (_ *Lease, direct bool, _ error) {
 	// About to wait for the producer: what was released must reach it
 	// first, or it may have no credit to offer with.
 	im.push()
-	im.nexts.Add(1)
-	im.waiters.Add(1)
-	defer im.waiters.Add(-1)
+	im.rd.begin()
+	defer im.rd.end()
 	for {
 		select {
 		case l := <-im.ready:
 			return l, false, nil
-		case <-im.rtok:
+		case <-im.rd.tok:
 			var l *Lease
 			direct = im.readFor(ctx, &l)
-			im.rtok <- struct{}{}
+			im.rd.give()
 			if l != nil {
 				return l, direct, nil
 			}

@@ -6,90 +6,20 @@ import (
 	"context"
 	"errors"
 	"io"
-	"time"
 
 	"github.com/seed743c36cf/cudashare/transport"
 )
 
-// This file is who reads the producer's messages. The connection has one
-// reader at a time, whoever holds the importer's reading token (rtok):
-//
-//   - a goroutine in Next that finds no lease queued takes the token, if it
-//     is free, and reads the connection itself until an offer comes, which
-//     it hands out without queueing it: no other goroutine is woken and no
-//     thread is crossed per handoff, which is what the handoff costs
-//     otherwise (bench/RESULTS.md: GOMAXPROCS=1 made it 1.4-2x faster);
-//   - the background reader takes the token once no Next has begun for a
-//     handover period, so that retire, goodbye and the connection's end
-//     are handled while the application is busy, or gone, and offers are
-//     mapped and queued; it gives the token back after the message in
-//     hand once Next runs again (a goroutine that waits in Next meanwhile
-//     is woken by the lease the background reader queues).
-//
-// A goroutine in Next that finds the token taken waits for a queued lease
-// or for the token, whichever comes first. Once the importer has stopped
-// (Shutdown, Close, the producer gone), Next reads no more and the
-// background reader reads until the connection ends.
-
-// handover is how long no Next must begin before the background reader
-// takes the connection.
-const handover = time.Millisecond
+// This file is who reads the producer's messages: Next, while the
+// application keeps calling it, or the background reader (handover.go).
+// Once the importer has stopped (Shutdown, Close, the producer gone), Next
+// reads no more and the background reader reads until the connection
+// ends.
 
 // readLoop is the background reader.
 func (im *Importer) readLoop() {
 	defer close(im.bgDone)
-	t := time.NewTimer(handover)
-	defer t.Stop()
-	stop := im.stop
-	seen := im.nexts.Load()
-	pause := func() bool { // false once the reading has ended
-		t.Reset(handover)
-		select {
-		case <-t.C:
-			return true
-		case <-stop:
-			// Read from now on whenever the token is free.
-			stop = nil
-			t.Stop()
-			return true
-		case <-im.recvDone:
-			return false
-		}
-	}
-	for {
-		stopped := stop == nil
-		if n := im.nexts.Load(); n != seen && !stopped {
-			seen = n
-			if !pause() {
-				return
-			}
-			continue
-		}
-		// A handover without a new Next: take the token when it is
-		// free (a Next reading since before then holds it until an
-		// offer comes).
-		select {
-		case <-im.rtok:
-		case <-stop:
-			stop = nil
-			continue
-		case <-im.recvDone:
-			return
-		}
-		if !stopped && (im.nexts.Load() != seen || im.waiters.Load() > 0) {
-			// Next is back, or waits for the token: it reads.
-			im.rtok <- struct{}{}
-			if !pause() {
-				return
-			}
-			continue
-		}
-		ended := im.readBackground(stopped)
-		im.rtok <- struct{}{}
-		if ended {
-			return
-		}
-	}
+	im.rd.background(im.stop, im.recvDone, im.readBackground)
 }
 
 // readFor reads the connection for Next, as the token's holder, until an
@@ -124,7 +54,7 @@ func (im *Importer) readFor(ctx context.Context, next **Lease) (direct bool) {
 		}
 		if l != nil {
 			*next = l
-			if im.waiters.Load() > 1 {
+			if im.rd.waiting.Load() > 1 {
 				// Others wait: what has come is theirs.
 				im.drain()
 			}
@@ -139,7 +69,7 @@ func (im *Importer) readFor(ctx context.Context, next **Lease) (direct bool) {
 // importer has stopped (stopped), and then until the connection ends. It
 // reports whether the connection has ended.
 func (im *Importer) readBackground(stopped bool) (ended bool) {
-	seen := im.nexts.Load()
+	seen := im.rd.begun.Load()
 	for !im.readDone {
 		err := im.conn.Recv(context.Background(), &im.msg)
 		if errors.Is(err, transport.ErrInterrupted) {
@@ -161,7 +91,7 @@ func (im *Importer) readBackground(stopped bool) (ended bool) {
 		if !stopped {
 			if im.stopped() {
 				stopped = true
-			} else if im.nexts.Load() != seen || im.waiters.Load() > 0 {
+			} else if im.rd.wanted(seen) {
 				return false
 			}
 		}

@@ -9,8 +9,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/seed743c36cf/cudashare/share"
 	"github.com/seed743c36cf/cudashare/internal/sharetest"
+	"github.com/seed743c36cf/cudashare/share"
 )
 
 // The reading of the producer's connection moves between Next and the

@@ -38,7 +38,7 @@ func (im *Importer) sendReleaseLocked(seq uint64, after *relEvent) {
 	im.sendFailed(im.conn.QueueRelease(context.Background(), ev, seq))
 	im.pending++
 	switch {
-	case im.waiters.Load() > 0 || im.pending >= im.pushAt:
+	case im.rd.waiting.Load() > 0 || im.pending >= im.pushAt:
 		im.pushLocked()
 	case im.pending == 1:
 		im.pushTimer.Reset(releaseDelay)
