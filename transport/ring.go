@@ -166,7 +166,8 @@ func (h *ringHalf) write(b []byte) (int, error) {
 	k := copy(h.data[at:], b[:n])
 	copy(h.data, b[k:n])
 	h.pos += uint64(n)
-	atomic.StoreUint64(h.tail, h.pos)
+	// A swap, not a store: see sleep.
+	atomic.SwapUint64(h.tail, h.pos)
 	return n, nil
 }
 
@@ -176,9 +177,16 @@ func (h *ringHalf) flushed() bool { return atomic.LoadUint64(h.head) == h.pos }
 // sleep and wake set and clear this side's sleeping word on the ring it
 // reads. A reader sets it, then looks at the ring once more, before it
 // waits on the socket; a writer that publishes bytes and then finds it set
-// rings the doorbell. Both are sequentially consistent, so one of the two
-// sees the other: the reader its bytes, or the writer its sleep.
-func (h *ringHalf) sleep() { atomic.StoreUint32(h.sleeping, 1) }
+// rings the doorbell. Each side's store must be ordered before its load of
+// the other word, so that one of the two sees the other: the reader its
+// bytes, or the writer its sleep. Go's atomics are sequentially consistent,
+// except under the race detector, whose stores only release and loads only
+// acquire: a store and a later load may pass each other there, both sides
+// miss, and the reader sleeps on bytes that are in the ring (this hung
+// handoffs with one credit under -race). A swap is a read-modify-write,
+// which orders both ways in every build; on amd64 it is the instruction a
+// store is anyway.
+func (h *ringHalf) sleep() { atomic.SwapUint32(h.sleeping, 1) }
 func (h *ringHalf) wake()  { atomic.StoreUint32(h.sleeping, 0) }
 
 // asleep reports, once per sleep, whether the peer reading this ring

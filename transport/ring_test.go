@@ -6,6 +6,7 @@ import (
 	"bufio"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"strings"
@@ -461,4 +462,56 @@ func ringConfigs(t *testing.T) (prod, cons Config) {
 	}
 	cons.AcceptFDs = true
 	return prod, cons
+}
+
+// TestRingOneCredit: offers and releases one at a time, back to back, so
+// that each side's reader goes to sleep on the ring again and again just
+// as the other writes. A doorbell missed hangs the exchange (the context
+// only ends a hang). Under the race detector, whose atomics order less
+// than Go's usual ones, this hung within a few thousand handoffs before
+// the ring's stores became swaps (ring.go, sleep).
+func TestRingOneCredit(t *testing.T) {
+	ccfg := testConfig(RoleConsumer, nil)
+	ccfg.Credits = 1
+	prod, cons := pair(t, testConfig(RoleProducer, nil), ccfg)
+	ctx := testCtx(t)
+	const n = 20000
+	errs := make(chan error, 2)
+	go func() { // the producer's reader takes the releases
+		var m Message
+		for {
+			if err := prod.Recv(ctx, &m); err != nil {
+				errs <- err
+				return
+			}
+		}
+	}()
+	go func() {
+		o := testOffer()
+		for i := range n {
+			o.Seq = uint64(i + 1)
+			if err := prod.SendOffer(ctx, &o); err != nil {
+				errs <- fmt.Errorf("offer %d: %w", i+1, err)
+				return
+			}
+		}
+	}()
+	var m Message
+	for i := range n {
+		if err := cons.Recv(ctx, &m); err != nil {
+			t.Fatalf("offer %d of %d: %v", i+1, n, err)
+		}
+		if m.Kind != KindOffer || m.Offer.Seq != uint64(i+1) {
+			t.Fatalf("got %v seq %d, want offer %d", m.Kind, m.Offer.Seq, i+1)
+		}
+		if err := cons.QueueRelease(ctx, nil, m.Offer.Seq); err != nil {
+			t.Fatal(err)
+		}
+		cons.Push()
+	}
+	select {
+	case err := <-errs:
+		t.Fatal(err)
+	default:
+	}
 }
