@@ -332,28 +332,67 @@ func (r *Ring) AcquireOn(ctx context.Context, s *driver.Stream) (*Buffer, error)
 		return nil, err // a loop bounded by its context must end even when a buffer is free
 	}
 	for {
+		b, err := r.next(ctx)
+		if err != nil {
+			return nil, err
+		}
+		b, waits, err := r.take(b)
+		if waits {
+			if err := r.e.settle(b, s); err != nil {
+				b.Free()
+				return nil, err
+			}
+		}
+		if b != nil || err != nil {
+			return b, err
+		}
+	}
+}
+
+// next takes a buffer from the free list, waiting for one. While the
+// producer has one consumer, the goroutine waiting reads the consumer's
+// connection itself, for the release that frees a buffer (consreader.go).
+func (r *Ring) next(ctx context.Context) (*Buffer, error) {
+	select {
+	case b := <-r.free:
+		return b, nil
+	default:
+	}
+	e := r.e
+	var c *consumer
+	var tok chan struct{} // nil: wait for the connections' readers
+	if c = e.sole.Load(); c != nil && e.acquiring.CompareAndSwap(nil, c) {
+		defer e.acquiring.CompareAndSwap(c, nil)
+		c.rd.begin()
+		defer c.rd.end()
+		tok = c.rd.tok
+	}
+	for {
 		select {
 		case b := <-r.free:
-			b, waits, err := r.take(b)
-			if waits {
-				if err := r.e.settle(b, s); err != nil {
-					b.Free()
-					return nil, err
-				}
+			return b, nil
+		case <-tok:
+			b, ended := r.readFor(ctx, c)
+			c.rd.give()
+			if b != nil {
+				return b, nil
 			}
-			if b != nil || err != nil {
-				return b, err
+			if ended {
+				tok = nil
+			}
+			if err := ctx.Err(); err != nil {
+				return nil, err
 			}
 		case <-ctx.Done():
 			return nil, ctx.Err()
 		case <-r.dead:
 			select {
-			case <-r.e.done:
+			case <-e.done:
 				return nil, ErrClosed
 			default:
 			}
 			return nil, fmt.Errorf("%w: ring allocation %d", ErrRetired, r.rec.id)
-		case <-r.e.done:
+		case <-e.done:
 			return nil, ErrClosed
 		}
 	}

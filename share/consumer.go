@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"os"
 	"slices"
 	"sync"
@@ -61,6 +60,13 @@ type consumer struct {
 	abandoned   int                             // VMM buffers given up to it when it was lost
 
 	done chan struct{} // closed when its connection has ended
+
+	// The reading of its connection (consreader.go): whoever holds rd's
+	// token reads it, into msg, and sets readDone at its end. rd counts
+	// the Acquires that wait on it.
+	rd       handover
+	msg      transport.Message
+	readDone bool
 
 	// sendMu orders the offers of VMM allocations to it, so that the one
 	// carrying an allocation's fd reaches it first (sendFD).
@@ -205,6 +211,7 @@ func (e *Exporter) acceptLoop() {
 			// Fixed for the connection: read without the lock.
 			noEvents: peer.PID == 0,
 		}
+		c.rd.init(conn.Interrupt)
 		e.mu.Lock()
 		if e.closing {
 			e.mu.Unlock()
@@ -216,59 +223,15 @@ func (e *Exporter) acceptLoop() {
 		e.watchLocked(c, int(peer.PID))
 		e.conns[c] = struct{}{}
 		e.consumers = append(e.consumers, c)
+		e.soleLocked()
 		c.active = true
 		e.notifyLocked(&e.changed)
 		e.notifyLocked(&e.creditWait)
 		e.mu.Unlock()
 		e.log.Info("share: consumer connected", "peer", peer.String(), "credits", c.window)
 		e.wg.Add(1)
-		go c.recvLoop()
+		go c.readLoop()
 	}
-}
-
-func (c *consumer) recvLoop() {
-	e := c.e
-	defer e.wg.Done()
-	var m transport.Message
-	var err error
-	for {
-		if err = c.conn.Recv(context.Background(), &m); err != nil {
-			break
-		}
-		var bad error
-		switch m.Kind {
-		case transport.KindRelease:
-			var after *consEvent
-			if m.HasReleaseEvent {
-				after, bad = e.consumerEvent(c, m.ReleaseEvent)
-			}
-			if bad == nil {
-				bad = e.onRelease(c, m.Seqs, after)
-			}
-		case transport.KindClosed:
-			bad = e.onClosed(c, m.AllocID)
-		case transport.KindCredit:
-			e.mu.Lock()
-			c.window += uint64(m.Credits)
-			e.notifyLocked(&e.creditWait)
-			e.mu.Unlock()
-		case transport.KindGoodbye:
-			e.mu.Lock()
-			c.saidBye = true
-			e.deactivateLocked(c)
-			e.mu.Unlock()
-			err = io.EOF // nothing comes after it
-		}
-		if bad != nil {
-			// The next Recv returns the failure.
-			e.kick(c, bad)
-		}
-		if err != nil {
-			break
-		}
-	}
-	close(c.done)
-	e.onGone(c, err)
 }
 
 // kick drops c for cause: it broke the protocol or held a lease too long.
@@ -297,6 +260,8 @@ func (e *Exporter) kick(c *consumer, why error) {
 func (e *Exporter) onRelease(c *consumer, seqs []uint64, after *consEvent) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	e.handling = c
+	defer func() { e.handling = nil }()
 	defer e.notifyLocked(&e.creditWait)
 	for _, seq := range seqs {
 		idx := uint32(seq)
@@ -414,6 +379,7 @@ func (e *Exporter) deactivateLocked(c *consumer) {
 	c.active = false
 	if i := slices.Index(e.consumers, c); i >= 0 {
 		e.consumers = slices.Delete(e.consumers, i, i+1)
+		e.soleLocked()
 		if e.rr > i {
 			e.rr--
 		}
@@ -430,6 +396,8 @@ func (e *Exporter) onGone(c *consumer, err error) {
 	c.conn.Close()
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	e.handling = c
+	defer func() { e.handling = nil }()
 	e.deactivateLocked(c)
 	c.ended = true
 	if c.proc != nil {

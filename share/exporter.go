@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
@@ -108,6 +109,10 @@ type Exporter struct {
 	wg        sync.WaitGroup
 	done      chan struct{} // closed by Close
 	closeOnce sync.Once
+	// sole is the only consumer taking offers, if there is one (set under
+	// mu); acquiring, the consumer whose connection an Acquire reads or
+	// is about to (consreader.go).
+	sole, acquiring atomic.Pointer[consumer]
 
 	mu          sync.Mutex
 	closing     bool                   // no more offers or buffers
@@ -123,6 +128,7 @@ type Exporter struct {
 	maxLeases   uint64                  // ExporterConfig.MaxLeasesPerConsumer; 0: none
 	epoch       uint64                  // the lease clock: ticks of leaseJanitor
 	creditWait  chan struct{}           // closed when a credit may have come free; made by a waiter
+	handling    *consumer               // whose message is being handled, by its connection's reader
 	changed     chan struct{}           // closed on any other change waiters watch
 	stats       ExporterStats
 }

@@ -21,27 +21,37 @@ import (
 //   - The background reader takes the token once no wait has begun for
 //     handoverAfter, so that what must be answered while nobody waits
 //     (retires, goodbyes, a peer's end, releases that free a consumer's
-//     credit) is, and gives it back after the message in hand once a wait
-//     begins again. Once stop is closed, it reads whenever the token is
-//     free, until the connection ends.
+//     credit) is, and gives it back as soon as a wait begins again: the
+//     wait interrupts its receive (transport.Conn.Interrupt). Once stop is
+//     closed, it reads whenever the token is free, until the connection
+//     ends.
 type handover struct {
 	tok     chan struct{}
 	begun   atomic.Uint64 // waits begun
 	waiting atomic.Int32  // goroutines waiting now, reading or not
+	bg      atomic.Bool   // the background reader holds the token
+	intr    func()        // interrupts the connection's receive
 }
 
 // handoverAfter is how long no wait must begin before the background
 // reader takes the connection.
 const handoverAfter = time.Millisecond
 
-func (h *handover) init() {
+func (h *handover) init(intr func()) {
 	h.tok = make(chan struct{}, 1)
 	h.tok <- struct{}{}
+	h.intr = intr
 }
 
 // begin and end bracket a wait.
-func (h *handover) begin() { h.begun.Add(1); h.waiting.Add(1) }
-func (h *handover) end()   { h.waiting.Add(-1) }
+func (h *handover) begin() {
+	h.begun.Add(1)
+	h.waiting.Add(1)
+	if h.bg.Load() {
+		h.intr()
+	}
+}
+func (h *handover) end() { h.waiting.Add(-1) }
 
 // give gives the token back.
 func (h *handover) give() { h.tok <- struct{}{} }
@@ -92,8 +102,14 @@ func (h *handover) background(stop, ended <-chan struct{}, read func(stopped boo
 		case <-ended:
 			return
 		}
+		// A swap, not a store: it must be ordered before the load of
+		// waiting in wanted, as a wait's add is before its load of bg
+		// (transport/ring.go, sleep, says why a store is not enough
+		// under the race detector). One of the two sees the other.
+		h.bg.Swap(true)
 		if !stopped && h.wanted(seen) {
 			// A wait is back, or wants the token: it reads.
+			h.bg.Store(false)
 			h.give()
 			if !pause() {
 				return
@@ -101,6 +117,7 @@ func (h *handover) background(stop, ended <-chan struct{}, read func(stopped boo
 			continue
 		}
 		end := read(stopped)
+		h.bg.Store(false)
 		h.give()
 		if end {
 			return

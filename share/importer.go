@@ -191,7 +191,7 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 	}
 	im.pushTimer = time.AfterFunc(time.Hour, im.push)
 	im.pushTimer.Stop()
-	im.rd.init()
+	im.rd.init(conn.Interrupt)
 	go im.readLoop()
 	return im, nil
 }

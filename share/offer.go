@@ -549,14 +549,14 @@ func (e *Exporter) idleLocked(b *Buffer) {
 			e.releaseAfterLocked(b)
 			succ := b.successor
 			b.successor, succ.pred, b.gone = nil, nil, true
-			b.ring.free <- succ
+			e.putFreeLocked(b.ring, succ)
 			e.memberIdleLocked(b.rec)
 		case b.abandoned:
 			// Never written again; its slot was refilled (or could not be).
 			b.gone = true
 			e.releaseAfterLocked(b)
 		default:
-			b.ring.free <- b // never blocks: the ring has room for all its buffers
+			e.putFreeLocked(b.ring, b)
 		}
 	}
 }

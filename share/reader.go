@@ -73,8 +73,10 @@ func (im *Importer) readBackground(stopped bool) (ended bool) {
 	for !im.readDone {
 		err := im.conn.Recv(context.Background(), &im.msg)
 		if errors.Is(err, transport.ErrInterrupted) {
-			// The importer stopped (or an interrupt meant for Next).
-			stopped = stopped || im.stopped()
+			// The importer stopped, or Next wants the connection.
+			if stopped = stopped || im.stopped(); !stopped && im.rd.wanted(seen) {
+				return false
+			}
 			continue
 		}
 		var l *Lease

@@ -268,10 +268,10 @@ func (e *Exporter) quarantineLocked(r *Ring, old *allocRec) {
 		case wasFree[x]:
 			delete(wasFree, x)
 			x.gone = true
-			r.free <- nx
+			e.putFreeLocked(r, nx)
 		case x.abandoned:
 			x.gone = true
-			r.free <- nx
+			e.putFreeLocked(r, nx)
 		default:
 			// Held by the producer, leased, or on its way out of the free
 			// list: nx comes in when x is idle (idleLocked).
@@ -280,7 +280,7 @@ func (e *Exporter) quarantineLocked(r *Ring, old *allocRec) {
 		}
 	}
 	for x := range wasFree {
-		r.free <- x
+		e.putFreeLocked(r, x)
 	}
 	e.log.Warn("share: a lost consumer may still read ring buffers; they are never written again, and fresh memory replaces them",
 		"old_alloc", old.id, "new_alloc", nr.id)

@@ -1,0 +1,156 @@
+//go:build linux
+
+package share_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/seed743c36cf/cudashare/internal/sharetest"
+	"github.com/seed743c36cf/cudashare/share"
+)
+
+// With one consumer connected, a goroutine waiting in Ring.Acquire reads
+// the consumer's connection itself (consreader.go). These tests make it
+// wait while the consumer holds the buffer, then end the wait every way it
+// can end: the consumer's release, a buffer freed by another consumer's
+// end, the exporter's Close, the context.
+
+// holdingConsumer starts a raw consumer that takes one offer and holds it.
+func holdingConsumer(t *testing.T, e *share.Exporter) *sharetest.Child {
+	t.Helper()
+	c := sharetest.Start(t, "rawconsumer", sharetest.EnvParam(sharetest.ParamPath, e.Addr()))
+	c.Expect("CONNECTED")
+	return c
+}
+
+// acquireAsync calls r.Acquire(ctx) on its own goroutine, once it has had
+// the time to wait (the condition under test, not a timing).
+func acquireAsync(r *share.Ring, ctx context.Context) <-chan acquired {
+	done := make(chan acquired, 1)
+	go func() {
+		b, err := r.Acquire(ctx)
+		done <- acquired{b, err}
+	}()
+	time.Sleep(20 * time.Millisecond)
+	return done
+}
+
+type acquired struct {
+	b   *share.Buffer
+	err error
+}
+
+func waitAcquired(t *testing.T, done <-chan acquired) acquired {
+	t.Helper()
+	select {
+	case a := <-done:
+		return a
+	case <-time.After(sharetest.ExpectTimeout):
+		t.Fatal("Acquire did not return")
+		return acquired{}
+	}
+}
+
+func TestAcquireReadsTheConsumer(t *testing.T) {
+	bothPaths(t, func(t *testing.T, sharing share.Sharing) {
+		for _, how := range []string{"release", "cancel", "close"} {
+			t.Run(how, func(t *testing.T) { testAcquireReads(t, sharing, how) })
+		}
+	})
+}
+
+func testAcquireReads(t *testing.T, sharing share.Sharing, how string) {
+	env := sharetest.Setup(t)
+	e := newExporterWith(t, env, share.ExporterConfig{Sharing: sharing})
+	a := holdingConsumer(t, e)
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(1, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	offerRing(t, env, e, r, 0, 1)
+	a.Expect("HELD 1")
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := acquireAsync(r, wctx)
+	switch how {
+	case "release":
+		a.Send("release")
+		if got := waitAcquired(t, done); got.err != nil || got.b == nil {
+			t.Fatalf("Acquire after the consumer's release: %v", got.err)
+		} else if err := got.b.Free(); err != nil {
+			t.Fatal(err)
+		}
+	case "cancel":
+		cancel()
+		if got := waitAcquired(t, done); !errors.Is(got.err, context.Canceled) {
+			t.Fatalf("Acquire whose context ended: %v", got.err)
+		}
+		// The connection is whole: the release still comes through.
+		a.Send("release")
+		b, err := r.Acquire(ctx)
+		if err != nil {
+			t.Fatalf("Acquire after a cancelled one: %v", err)
+		}
+		b.Free()
+	case "close":
+		e.Close()
+		if got := waitAcquired(t, done); !errors.Is(got.err, share.ErrClosed) {
+			t.Fatalf("Acquire during Close: %v, want ErrClosed", got.err)
+		}
+		a.Send("exit")
+		a.Wait()
+		return
+	}
+	a.Send("exit") // without a goodbye: a raw consumer never says one
+	a.Wait()
+	shutdown(t, e)
+}
+
+// TestAcquireWokenByAnotherConsumer: an Acquire reads the one consumer
+// connected, which holds its buffer; the other buffer of the ring is held
+// by a consumer whose connection ended while its process lives (it may
+// still read it). When that process exits, its buffer comes free (or, with
+// VMM, fresh memory takes its place) with nothing arriving on the
+// connection being read: the Acquire must be woken for it.
+func TestAcquireWokenByAnotherConsumer(t *testing.T) {
+	bothPaths(t, func(t *testing.T, sharing share.Sharing) {
+		env := sharetest.Setup(t)
+		e := newExporterWith(t, env, share.ExporterConfig{Sharing: sharing})
+		ctx := sharetest.Ctx(t)
+		a := holdingConsumer(t, e)
+		b := holdingConsumer(t, e)
+		if err := e.WaitConsumers(ctx, 2); err != nil {
+			t.Fatal(err)
+		}
+		r, err := e.NewRing(2, 4096)
+		if err != nil {
+			t.Fatal(err)
+		}
+		offerRing(t, env, e, r, 0, 2) // one each: the fewest leases first
+		a.Expect("HELD 1")
+		b.Expect("HELD 1")
+		b.Send("disconnect")
+		b.Expect("DISCONNECTED")
+		waitUntil(t, "the exporter to see the consumer lost", func() bool { return e.Stats().ConsumersLost == 1 })
+		done := acquireAsync(r, ctx)
+		b.Send("exit")
+		b.Wait()
+		got := waitAcquired(t, done)
+		if got.err != nil {
+			t.Fatalf("Acquire once the lost consumer's process exited: %v", got.err)
+		}
+		got.b.Free()
+		a.Send("release")
+		a.Expect("RELEASE")
+		a.Send("exit")
+		a.Wait()
+		shutdown(t, e)
+	})
+}
