@@ -282,11 +282,22 @@ func (im *Importer) NextOn(ctx context.Context, s *driver.Stream) (*Lease, error
 // connection itself while nobody else does (reader.go); direct says it
 // did.
 func (im *Importer) wait(ctx context.Context) (_ *Lease, direct bool, _ error) {
-	// About to wait for the producer: what was released must reach it
-	// first, or it may have no credit to offer with.
-	im.push()
 	im.rd.begin()
 	defer im.rd.end()
+	select {
+	case <-im.rd.tok:
+		// readFor pushes the releases before it waits for the producer.
+		var l *Lease
+		direct = im.readFor(ctx, &l)
+		im.rd.give()
+		if l != nil {
+			return l, direct, nil
+		}
+	default:
+		// About to wait for the producer: what was released must reach
+		// it first, or it may have no credit to offer with.
+		im.push()
+	}
 	for {
 		select {
 		case l := <-im.ready:
