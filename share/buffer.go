@@ -368,32 +368,44 @@ func (r *Ring) next(ctx context.Context) (*Buffer, error) {
 		tok = c.rd.tok
 	}
 	for {
-		select {
-		case b := <-r.free:
-			return b, nil
-		case <-tok:
-			b, ended := r.readFor(ctx, c)
-			c.rd.give()
-			if b != nil {
-				return b, nil
-			}
-			if ended {
-				tok = nil
-			}
-			if err := ctx.Err(); err != nil {
-				return nil, err
-			}
-		case <-ctx.Done():
-			return nil, ctx.Err()
-		case <-r.dead:
+		// The token, if free, without a select of every case: this runs
+		// once per handoff.
+		took := false
+		if tok != nil {
 			select {
-			case <-e.done:
-				return nil, ErrClosed
+			case <-tok:
+				took = true
 			default:
 			}
-			return nil, fmt.Errorf("%w: ring allocation %d", ErrRetired, r.rec.id)
-		case <-e.done:
-			return nil, ErrClosed
+		}
+		if !took {
+			select {
+			case b := <-r.free:
+				return b, nil
+			case <-tok:
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			case <-r.dead:
+				select {
+				case <-e.done:
+					return nil, ErrClosed
+				default:
+				}
+				return nil, fmt.Errorf("%w: ring allocation %d", ErrRetired, r.rec.id)
+			case <-e.done:
+				return nil, ErrClosed
+			}
+		}
+		b, ended := r.readFor(ctx, c)
+		c.rd.give()
+		if b != nil {
+			return b, nil
+		}
+		if ended || isClosed(r.dead) || isClosed(e.done) {
+			tok = nil // the select says which
+		}
+		if err := ctx.Err(); err != nil {
+			return nil, err
 		}
 	}
 }

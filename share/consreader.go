@@ -56,14 +56,17 @@ func (c *consumer) readBackground(stopped bool) (ended bool) {
 func (r *Ring) readFor(ctx context.Context, c *consumer) (*Buffer, bool) {
 	e := r.e
 	for !c.readDone {
-		select {
-		case b := <-r.free:
-			return b, false
-		case <-r.dead:
+		// One-case selects with a default, and the length, do not lock a
+		// channel that is empty and open: this runs once per handoff.
+		if len(r.free) > 0 {
+			select {
+			case b := <-r.free:
+				return b, false
+			default:
+			}
+		}
+		if isClosed(r.dead) || isClosed(e.done) {
 			return nil, false
-		case <-e.done:
-			return nil, false
-		default:
 		}
 		err := c.conn.Recv(ctx, &c.msg)
 		if err != nil {
@@ -133,6 +136,16 @@ func (c *consumer) readEnd(err error) {
 func (e *Exporter) wakeAcquireLocked() {
 	if c := e.acquiring.Load(); c != nil && c != e.handling {
 		c.conn.Interrupt()
+	}
+}
+
+// isClosed reports whether ch is closed; ch is never sent on.
+func isClosed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
 	}
 }
 

@@ -32,14 +32,19 @@ func (im *Importer) readLoop() {
 func (im *Importer) readFor(ctx context.Context, next **Lease) (direct bool) {
 	pushed := false
 	for !im.readDone {
-		// What the background reader queued comes first.
-		select {
-		case l := <-im.ready:
-			*next = l
+		// What the background reader queued comes first. (One-case
+		// selects with a default, and the length, do not lock a channel
+		// that is empty and open: this runs once per handoff.)
+		if len(im.ready) > 0 {
+			select {
+			case l := <-im.ready:
+				*next = l
+				return false
+			default:
+			}
+		}
+		if im.stopped() {
 			return false
-		case <-im.stop:
-			return false
-		default:
 		}
 		var err error
 		if pushed {
