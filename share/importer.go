@@ -284,25 +284,34 @@ func (im *Importer) NextOn(ctx context.Context, s *driver.Stream) (*Lease, error
 func (im *Importer) wait(ctx context.Context) (_ *Lease, direct bool, _ error) {
 	im.rd.begin()
 	defer im.rd.end()
-	select {
-	case <-im.rd.tok:
-		// readFor pushes the releases before it waits for the producer.
-		var l *Lease
-		direct = im.readFor(ctx, &l)
-		im.rd.give()
-		if l != nil {
-			return l, direct, nil
-		}
-	default:
-		// About to wait for the producer: what was released must reach
-		// it first, or it may have no credit to offer with.
-		im.push()
-	}
+	pushed := false
 	for {
+		// The token, if free, without a select of every case: this runs
+		// once per handoff. readFor pushes the releases before it waits
+		// for the producer.
+		took := false
 		select {
-		case l := <-im.ready:
-			return l, false, nil
 		case <-im.rd.tok:
+			took = true
+		default:
+		}
+		if !took {
+			if !pushed {
+				// About to wait for the producer: what was released must
+				// reach it first, or it may have no credit to offer with.
+				im.push()
+				pushed = true
+			}
+			select {
+			case l := <-im.ready:
+				return l, false, nil
+			case <-im.rd.tok:
+				took = true
+			case <-im.stop:
+			case <-ctx.Done():
+			}
+		}
+		if took {
 			var l *Lease
 			direct = im.readFor(ctx, &l)
 			im.rd.give()
@@ -310,8 +319,6 @@ func (im *Importer) wait(ctx context.Context) (_ *Lease, direct bool, _ error) {
 				return l, direct, nil
 			}
 			// The context ended, or the importer stopped.
-		case <-im.stop:
-		case <-ctx.Done():
 		}
 		if err := ctx.Err(); err != nil {
 			return nil, false, err
