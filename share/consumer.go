@@ -585,7 +585,7 @@ func (e *Exporter) watchLoop(ctx context.Context, w *procWatch) {
 			}
 		case c.conn.PeerHungUp():
 			// It died holding the connection, which the kernel closed
-			// first: its receive loop is about to see the end.
+			// first: its connection's reader is about to see the end.
 		default:
 			// Another process holds the connection open.
 			open = append(open, c)

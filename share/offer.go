@@ -74,7 +74,7 @@ func (e *Exporter) Offer(ctx context.Context, b *Buffer, opts OfferOptions) erro
 // (recording b's event first if record is set) and ends the reservation.
 // It reports whether the offer went out. When c's connection failed under
 // the send (it went away, or stopped reading), c is deactivated (its
-// receive loop drops it) and lendLocked reports neither lent nor an
+// connection's reader drops it) and lendLocked reports neither lent nor an
 // error: the caller passes b to another consumer, or skips c. mu held; it
 // is released during the send.
 func (e *Exporter) lendLocked(ctx context.Context, c *consumer, b *Buffer, opts *OfferOptions, record bool) (bool, error) {

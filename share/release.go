@@ -19,8 +19,8 @@ import (
 // sendReleaseLocked and sendClosedLocked send to the producer unless it
 // is gone. Sends only queue (the connection's writer writes), so holding
 // mu keeps releases and closes in order with the state they report. A
-// failure means the connection failed; the receive loop sees it and ends
-// the importer.
+// failure means the connection failed; whoever reads it next sees that
+// and ends the importer.
 //
 // Releases are queued, not written one by one: they leave together when a
 // goroutine is about to wait in Next (or is waiting there), when a quarter
