@@ -386,10 +386,8 @@ func (r *Ring) next(ctx context.Context) (*Buffer, error) {
 			case <-ctx.Done():
 				return nil, ctx.Err()
 			case <-r.dead:
-				select {
-				case <-e.done:
+				if isClosed(e.done) {
 					return nil, ErrClosed
-				default:
 				}
 				return nil, fmt.Errorf("%w: ring allocation %d", ErrRetired, r.rec.id)
 			case <-e.done:

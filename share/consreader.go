@@ -73,7 +73,7 @@ func (r *Ring) readFor(ctx context.Context, c *consumer) (*Buffer, bool) {
 			if errors.Is(err, transport.ErrInterrupted) {
 				continue // a buffer came free otherwise, or the ring or exporter ended: look
 			}
-			if ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
+			if ctxEnded(ctx, err) {
 				return nil, false
 			}
 		} else {
@@ -136,16 +136,6 @@ func (c *consumer) readEnd(err error) {
 func (e *Exporter) wakeAcquireLocked() {
 	if c := e.acquiring.Load(); c != nil && c != e.handling {
 		c.conn.Interrupt()
-	}
-}
-
-// isClosed reports whether ch is closed; ch is never sent on.
-func isClosed(ch <-chan struct{}) bool {
-	select {
-	case <-ch:
-		return true
-	default:
-		return false
 	}
 }
 

@@ -26,6 +26,24 @@ func holdingConsumer(t *testing.T, e *share.Exporter) *sharetest.Child {
 	return c
 }
 
+// heldRing starts an exporter with sharing, a raw consumer, and a ring of
+// one 4 KiB buffer, which the consumer takes and holds.
+func heldRing(t *testing.T, env *sharetest.Env, sharing share.Sharing) (*share.Exporter, *share.Ring, *sharetest.Child) {
+	t.Helper()
+	e := newExporterWith(t, env, share.ExporterConfig{Sharing: sharing})
+	c := holdingConsumer(t, e)
+	if err := e.WaitConsumers(sharetest.Ctx(t), 1); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(1, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	offerRing(t, env, e, r, 0, 1)
+	c.Expect("HELD 1")
+	return e, r, c
+}
+
 // acquireAsync calls r.Acquire(ctx) on its own goroutine, once it has had
 // the time to wait (the condition under test, not a timing).
 func acquireAsync(r *share.Ring, ctx context.Context) <-chan acquired {
@@ -64,18 +82,8 @@ func TestAcquireReadsTheConsumer(t *testing.T) {
 
 func testAcquireReads(t *testing.T, sharing share.Sharing, how string) {
 	env := sharetest.Setup(t)
-	e := newExporterWith(t, env, share.ExporterConfig{Sharing: sharing})
-	a := holdingConsumer(t, e)
+	e, r, a := heldRing(t, env, sharing)
 	ctx := sharetest.Ctx(t)
-	if err := e.WaitConsumers(ctx, 1); err != nil {
-		t.Fatal(err)
-	}
-	r, err := e.NewRing(1, 4096)
-	if err != nil {
-		t.Fatal(err)
-	}
-	offerRing(t, env, e, r, 0, 1)
-	a.Expect("HELD 1")
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	done := acquireAsync(r, wctx)

@@ -3,6 +3,8 @@
 package share
 
 import (
+	"context"
+	"errors"
 	"sync/atomic"
 	"time"
 )
@@ -31,6 +33,23 @@ type handover struct {
 	waiting atomic.Int32  // goroutines waiting now, reading or not
 	bg      atomic.Bool   // the background reader holds the token
 	intr    func()        // interrupts the connection's receive
+}
+
+// isClosed reports whether ch is closed; ch is never sent on. A one-case
+// select with a default locks no channel that is empty and open.
+func isClosed(ch <-chan struct{}) bool {
+	select {
+	case <-ch:
+		return true
+	default:
+		return false
+	}
+}
+
+// ctxEnded reports whether err, from a receive under ctx, is ctx's end
+// (the connection stays usable) rather than the connection's.
+func ctxEnded(ctx context.Context, err error) bool {
+	return ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded))
 }
 
 // handoverAfter is how long no wait must begin before the background

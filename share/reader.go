@@ -60,7 +60,7 @@ func (im *Importer) readFor(ctx context.Context, next **Lease) (direct bool) {
 			if errors.Is(err, transport.ErrInterrupted) {
 				continue // the importer stopped (or an earlier interrupt)
 			}
-			if ctx.Err() == nil || !(errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
+			if !ctxEnded(ctx, err) {
 				im.readEnd(err)
 			}
 			return false
@@ -174,14 +174,7 @@ func (im *Importer) readEnd(err error) {
 }
 
 // stopped reports whether Next has stopped for good.
-func (im *Importer) stopped() bool {
-	select {
-	case <-im.stop:
-		return true
-	default:
-		return false
-	}
-}
+func (im *Importer) stopped() bool { return isClosed(im.stop) }
 
 // queue queues a lease for Next.
 func (im *Importer) queue(l *Lease) {

@@ -629,19 +629,8 @@ func testConsumerDisconnectedAlive(t *testing.T, sharing share.Sharing) {
 	env := sharetest.Setup(t)
 	mem := env.FreeMemory(t)
 	defer env.CheckMemory(t, mem)
-	e := newExporterWith(t, env, share.ExporterConfig{Sharing: sharing})
-	c := sharetest.Start(t, "rawconsumer", sharetest.EnvParam(sharetest.ParamPath, e.Addr()))
-	c.Expect("CONNECTED")
+	e, r, c := heldRing(t, env, sharing)
 	ctx := sharetest.Ctx(t)
-	if err := e.WaitConsumers(ctx, 1); err != nil {
-		t.Fatal(err)
-	}
-	r, err := e.NewRing(1, 4096)
-	if err != nil {
-		t.Fatal(err)
-	}
-	offerRing(t, env, e, r, 0, 1)
-	c.Expect("HELD 1")
 	c.Send("disconnect")
 	c.Expect("DISCONNECTED")
 	if sharing == share.SharingVMM {
