@@ -133,7 +133,7 @@ func (b *Buffer) WaitOn(ctx context.Context, s *driver.Stream) error {
 	e := b.e
 	e.mu.Lock()
 	for b.leases > 0 || b.sending > 0 {
-		if err := e.waitLocked(ctx, &b.idle); err != nil {
+		if err := e.waitReadingLocked(ctx, &b.idle); err != nil {
 			e.mu.Unlock()
 			return err
 		}
@@ -361,12 +361,13 @@ func (r *Ring) next(ctx context.Context) (*Buffer, error) {
 	e := r.e
 	var c *consumer
 	var tok chan struct{} // nil: wait for the connections' readers
-	if c = e.sole.Load(); c != nil && e.acquiring.CompareAndSwap(nil, c) {
-		defer e.acquiring.CompareAndSwap(c, nil)
+	if c = e.sole.Load(); c != nil && e.reading.CompareAndSwap(nil, c) {
+		defer e.reading.CompareAndSwap(c, nil)
 		c.rd.begin()
 		defer c.rd.end()
 		tok = c.rd.tok
 	}
+	ready := func() bool { return len(r.free) > 0 || isClosed(r.dead) }
 	for {
 		// The token, if free, without a select of every case: this runs
 		// once per handoff.
@@ -394,10 +395,16 @@ func (r *Ring) next(ctx context.Context) (*Buffer, error) {
 				return nil, ErrClosed
 			}
 		}
-		b, ended := r.readFor(ctx, c)
+		ended := e.readUntil(ctx, c, ready)
 		c.rd.give()
-		if b != nil {
-			return b, nil
+		// One-case select with a default, after the length: neither
+		// locks a channel that is empty and open.
+		if len(r.free) > 0 {
+			select {
+			case b := <-r.free:
+				return b, nil
+			default:
+			}
 		}
 		if ended || isClosed(r.dead) || isClosed(e.done) {
 			tok = nil // the select says which
@@ -553,7 +560,7 @@ func (a *Arena) Alloc(ctx context.Context, size uint64) (*Buffer, error) {
 			}
 			continue
 		}
-		if err := e.waitLocked(ctx, &a.room); err != nil {
+		if err := e.waitReadingLocked(ctx, &a.room); err != nil {
 			return nil, err
 		}
 	}

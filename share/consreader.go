@@ -10,12 +10,13 @@ import (
 	"github.com/seed743c36cf/cudashare/transport"
 )
 
-// This file is who reads a consumer's messages on the producer's side: a
-// goroutine in Ring.Acquire, while it waits for a buffer and the consumer
-// is the only one connected, or the connection's background reader
-// (handover.go). A buffer that comes free otherwise (another consumer's
-// release, a Free, a retire, Close) interrupts a reading Acquire
-// (wakeAcquireLocked).
+// This file is who reads a consumer's messages on the producer's side: the
+// producer's goroutine, while it waits in Ring.Acquire (for a buffer),
+// Arena.Alloc (for room), Offer (for credit) or Buffer.WaitOn, and the
+// consumer is the only one connected; or else the connection's background
+// reader (handover.go). What ends such a wait otherwise (another
+// consumer's release, a Free, a retire, Close) interrupts its receive
+// (wakeReaderLocked).
 
 // readLoop is c's background reader.
 func (c *consumer) readLoop() {
@@ -50,31 +51,22 @@ func (c *consumer) readBackground(stopped bool) (ended bool) {
 	return true
 }
 
-// readFor reads c's connection for a goroutine in r's Acquire, as the
-// token's holder, until a buffer comes free in r, which it returns, or ctx
-// ends, r is retired, the exporter closes or the connection ends.
-func (r *Ring) readFor(ctx context.Context, c *consumer) (*Buffer, bool) {
-	e := r.e
+// readUntil reads c's connection for a producer's wait, as the token's
+// holder, until ready (checked before every receive), ctx ends, the
+// exporter closes (false) or the connection ends (true). Whatever makes
+// ready true otherwise interrupts the receive (wakeReaderLocked).
+func (e *Exporter) readUntil(ctx context.Context, c *consumer, ready func() bool) (ended bool) {
 	for !c.readDone {
-		// One-case selects with a default, and the length, do not lock a
-		// channel that is empty and open: this runs once per handoff.
-		if len(r.free) > 0 {
-			select {
-			case b := <-r.free:
-				return b, false
-			default:
-			}
-		}
-		if isClosed(r.dead) || isClosed(e.done) {
-			return nil, false
+		if ready() || isClosed(e.done) {
+			return false
 		}
 		err := c.conn.Recv(ctx, &c.msg)
 		if err != nil {
 			if errors.Is(err, transport.ErrInterrupted) {
-				continue // a buffer came free otherwise, or the ring or exporter ended: look
+				continue // something came free otherwise, or the exporter ended: look
 			}
 			if ctxEnded(ctx, err) {
-				return nil, false
+				return false
 			}
 		} else {
 			err = e.onMessage(c, &c.msg)
@@ -84,7 +76,58 @@ func (r *Ring) readFor(ctx context.Context, c *consumer) (*Buffer, bool) {
 			break
 		}
 	}
-	return nil, true
+	return true
+}
+
+// waitReadingLocked is waitLocked for the producer's own waits (Offer's
+// credit, Arena.Alloc's room, Buffer.WaitOn): while the producer has one
+// consumer, and no other wait reads its connection, the goroutine waiting
+// reads it itself until the next notifyLocked, mostly of the release it
+// reads. It saves the hop from the connection's reader to the waiter, as
+// Ring.Acquire does, and allocates no channel. Like waitLocked it may
+// return with nothing changed: its callers look again. Never called by a
+// connection's reader. mu held on entry and on return.
+func (e *Exporter) waitReadingLocked(ctx context.Context, ch *chan struct{}) error {
+	c := e.sole.Load()
+	if c == nil || !e.reading.CompareAndSwap(nil, c) {
+		return e.waitLocked(ctx, ch)
+	}
+	seen := e.notified.Load()
+	e.mu.Unlock()
+	err := e.awaitReading(ctx, c, seen)
+	e.mu.Lock()
+	return err
+}
+
+// awaitReading waits for a notifyLocked after seen, reading c's
+// connection; e.reading is c on entry, nil on return. The end of c's
+// connection ends it too: c is no longer the sole consumer then, and the
+// caller's next wait is on a channel.
+func (e *Exporter) awaitReading(ctx context.Context, c *consumer, seen uint64) error {
+	defer e.reading.CompareAndSwap(c, nil)
+	c.rd.begin()
+	defer c.rd.end()
+	notified := func() bool { return e.notified.Load() != seen }
+	// The token, if free, without a select of every case: this runs once
+	// per handoff. Else the background reader holds it until it sees this
+	// wait (begin interrupted its receive).
+	select {
+	case <-c.rd.tok:
+	default:
+		select {
+		case <-c.rd.tok:
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-e.done:
+			return ErrClosed
+		}
+	}
+	e.readUntil(ctx, c, notified)
+	c.rd.give()
+	if isClosed(e.done) {
+		return ErrClosed
+	}
+	return ctx.Err()
 }
 
 // onMessage handles one message of c's. A goodbye ends the reading with
@@ -128,13 +171,14 @@ func (c *consumer) readEnd(err error) {
 	c.e.onGone(c, err)
 }
 
-// wakeAcquireLocked interrupts the Acquire that reads a consumer's
+// wakeReaderLocked interrupts the producer's wait that reads a consumer's
 // connection, if any, unless the caller handles a message of that very
-// consumer (the reader itself: it looks for its buffer next). Whatever
-// may end an Acquire's wait calls it: a buffer back in a ring's free list,
-// a ring retired, the exporter closing. mu held.
-func (e *Exporter) wakeAcquireLocked() {
-	if c := e.acquiring.Load(); c != nil && c != e.handling {
+// consumer (the reader itself: it looks for what it waits for next).
+// Whatever may end such a wait calls it: a buffer back in a ring's free
+// list, a waiter notified (notifyLocked), a ring retired, the exporter
+// closing. mu held.
+func (e *Exporter) wakeReaderLocked() {
+	if c := e.reading.Load(); c != nil && c != e.handling {
 		c.conn.Interrupt()
 	}
 }
@@ -151,5 +195,5 @@ func (e *Exporter) soleLocked() {
 // putFreeLocked puts b in r's free list. mu held.
 func (e *Exporter) putFreeLocked(r *Ring, b *Buffer) {
 	r.free <- b // never blocks: the ring has room for all its buffers
-	e.wakeAcquireLocked()
+	e.wakeReaderLocked()
 }

@@ -12,11 +12,12 @@ import (
 	"github.com/seed743c36cf/cudashare/share"
 )
 
-// With one consumer connected, a goroutine waiting in Ring.Acquire reads
-// the consumer's connection itself (consreader.go). These tests make it
-// wait while the consumer holds the buffer, then end the wait every way it
-// can end: the consumer's release, a buffer freed by another consumer's
-// end, the exporter's Close, the context.
+// With one consumer connected, a goroutine waiting in Ring.Acquire,
+// Arena.Alloc or Offer reads the consumer's connection itself
+// (consreader.go). These tests make it wait while the consumer holds what
+// it waits for, then end the wait every way it can end: the consumer's
+// release, room or a buffer freed by another goroutine or another
+// consumer's end, the exporter's Close, the context.
 
 // holdingConsumer starts a raw consumer that takes one offer and holds it.
 func holdingConsumer(t *testing.T, e *share.Exporter) *sharetest.Child {
@@ -161,4 +162,168 @@ func TestAcquireWokenByAnotherConsumer(t *testing.T) {
 		a.Wait()
 		shutdown(t, e)
 	})
+}
+
+// asyncWait runs f on its own goroutine, once it has had the time to wait
+// (the condition under test, not a timing).
+func asyncWait(f func() error) <-chan error {
+	done := make(chan error, 1)
+	go func() { done <- f() }()
+	time.Sleep(20 * time.Millisecond)
+	return done
+}
+
+// TestAllocReadsTheConsumer: an arena whose first half the one consumer
+// holds and whose second half the producer holds, unoffered; Alloc of a
+// half waits, reading the consumer's connection. "free" frees the
+// producer's half from another goroutine, with nothing arriving on the
+// connection being read: the Alloc must be woken for it.
+func TestAllocReadsTheConsumer(t *testing.T) {
+	bothPaths(t, func(t *testing.T, sharing share.Sharing) {
+		for _, how := range []string{"release", "free", "cancel", "close"} {
+			t.Run(how, func(t *testing.T) { testAllocReads(t, sharing, how) })
+		}
+	})
+}
+
+func testAllocReads(t *testing.T, sharing share.Sharing, how string) {
+	env := sharetest.Setup(t)
+	e := newExporterWith(t, env, share.ExporterConfig{Sharing: sharing})
+	c := holdingConsumer(t, e)
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	a, err := e.NewArena(8192)
+	if err != nil {
+		t.Fatal(err)
+	}
+	half := a.Available() / 2
+	lent, err := a.Alloc(ctx, half)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kept, err := a.Alloc(ctx, half)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sharetest.Fill(env.Ctx, lent.Ptr(), lent.Size(), 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Offer(ctx, lent, share.OfferOptions{Meta: sharetest.Meta(0)}); err != nil {
+		t.Fatal(err)
+	}
+	lent.Free() // its range comes back with the release
+	c.Expect("HELD 1")
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var got *share.Buffer
+	done := asyncWait(func() (err error) {
+		got, err = a.Alloc(wctx, half)
+		return err
+	})
+	switch how {
+	case "release", "free":
+		if how == "release" {
+			c.Send("release")
+		} else {
+			kept.Free()
+		}
+		if err := waitErr(t, "Alloc", done); err != nil || got == nil {
+			t.Fatalf("Alloc after the %s: %v", how, err)
+		}
+		got.Free()
+	case "cancel":
+		cancel()
+		if err := waitErr(t, "Alloc", done); !errors.Is(err, context.Canceled) {
+			t.Fatalf("Alloc whose context ended: %v", err)
+		}
+		// The connection is whole: the release still comes through.
+		c.Send("release")
+		b, err := a.Alloc(ctx, half)
+		if err != nil {
+			t.Fatalf("Alloc after a cancelled one: %v", err)
+		}
+		b.Free()
+	case "close":
+		e.Close()
+		if err := waitErr(t, "Alloc", done); !errors.Is(err, share.ErrClosed) {
+			t.Fatalf("Alloc during Close: %v, want ErrClosed", err)
+		}
+		c.Send("exit")
+		c.Wait()
+		return
+	}
+	kept.Free()
+	c.Send("exit") // without a goodbye: a raw consumer never says one
+	c.Wait()
+	shutdown(t, e)
+}
+
+// TestOfferReadsTheConsumer: the one consumer may hold one lease and
+// holds it; an Offer waits for its credit, reading its connection.
+func TestOfferReadsTheConsumer(t *testing.T) {
+	bothPaths(t, func(t *testing.T, sharing share.Sharing) {
+		for _, how := range []string{"release", "cancel", "close"} {
+			t.Run(how, func(t *testing.T) { testOfferReads(t, sharing, how) })
+		}
+	})
+}
+
+func testOfferReads(t *testing.T, sharing share.Sharing, how string) {
+	env := sharetest.Setup(t)
+	e := newExporterWith(t, env, share.ExporterConfig{Sharing: sharing, MaxLeasesPerConsumer: 1})
+	c := holdingConsumer(t, e)
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(2, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	offerRing(t, env, e, r, 0, 1)
+	c.Expect("HELD 1")
+	b, err := r.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), 1); err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	done := asyncWait(func() error { return e.Offer(wctx, b, share.OfferOptions{Meta: sharetest.Meta(1)}) })
+	switch how {
+	case "release":
+		c.Send("release")
+		if err := waitErr(t, "Offer", done); err != nil {
+			t.Fatalf("Offer after the consumer's release: %v", err)
+		}
+		if got := e.Stats().Leases; got != 1 {
+			t.Fatalf("%d leases after the release and the offer, want 1", got)
+		}
+	case "cancel":
+		cancel()
+		if err := waitErr(t, "Offer", done); !errors.Is(err, context.Canceled) {
+			t.Fatalf("Offer whose context ended: %v", err)
+		}
+		// The connection is whole: the release still comes through, and
+		// the buffer, never lent, is offered now.
+		c.Send("release")
+		if err := e.Offer(ctx, b, share.OfferOptions{Meta: sharetest.Meta(1)}); err != nil {
+			t.Fatalf("Offer after a cancelled one: %v", err)
+		}
+	case "close":
+		e.Close()
+		if err := waitErr(t, "Offer", done); !errors.Is(err, share.ErrClosed) {
+			t.Fatalf("Offer during Close: %v, want ErrClosed", err)
+		}
+		c.Send("exit")
+		c.Wait()
+		return
+	}
+	c.Send("exit")
+	c.Wait()
+	shutdown(t, e)
 }

@@ -110,9 +110,10 @@ type Exporter struct {
 	done      chan struct{} // closed by Close
 	closeOnce sync.Once
 	// sole is the only consumer taking offers, if there is one (set under
-	// mu); acquiring, the consumer whose connection an Acquire reads or
-	// is about to (consreader.go).
-	sole, acquiring atomic.Pointer[consumer]
+	// mu); reading, the consumer whose connection a wait of the producer's
+	// reads or is about to (consreader.go).
+	sole, reading atomic.Pointer[consumer]
+	notified      atomic.Uint64 // notifyLocked calls
 
 	mu          sync.Mutex
 	closing     bool                   // no more offers or buffers
@@ -369,4 +370,8 @@ func (e *Exporter) notifyLocked(ch *chan struct{}) {
 		close(*ch)
 		*ch = nil
 	}
+	// A wait that reads a connection watches this count instead of a
+	// channel (waitReadingLocked).
+	e.notified.Add(1)
+	e.wakeReaderLocked()
 }

@@ -55,7 +55,7 @@ func (e *Exporter) Offer(ctx context.Context, b *Buffer, opts OfferOptions) erro
 		}
 		c := e.pickLocked()
 		if c == nil {
-			if err := e.waitLocked(ctx, &e.creditWait); err != nil {
+			if err := e.waitReadingLocked(ctx, &e.creditWait); err != nil {
 				return err
 			}
 			continue

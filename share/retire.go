@@ -122,7 +122,7 @@ func (e *Exporter) dropRecLocked(rec *allocRec) {
 	if r := rec.ring; r != nil && !rec.quarantined && !r.deadClosed {
 		r.deadClosed = true
 		close(r.dead)
-		e.wakeAcquireLocked()
+		e.wakeReaderLocked()
 	}
 	if a := rec.arena; a != nil {
 		// Nothing will be allocated there again.
@@ -234,7 +234,7 @@ func (e *Exporter) Close() error {
 		e.mu.Lock()
 		e.closing = true
 		close(e.done)
-		e.wakeAcquireLocked()
+		e.wakeReaderLocked()
 		conns := slices.Collect(maps.Keys(e.conns))
 		e.mu.Unlock()
 		e.ln.Close()
