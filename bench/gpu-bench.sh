@@ -143,6 +143,11 @@ group=no
 	cat "$OUT/devices.txt"
 	command -v nvidia-smi >/dev/null && nvidia-smi -L
 	[ -f .gpu/run.sh ] && grep -m1 '^BUILT=' .gpu/run.sh
+	# The host's shape: rows of hosts of different shapes are not
+	# comparable (the ring of 8 across GPUs made 382k/s on one host with
+	# two H200s and 711k-848k/s on another; bench/RESULTS.md).
+	echo "host: $(nproc) CPUs ($(lscpu 2>/dev/null | sed -n 's/^Model name: *//p')), NUMA nodes: $(lscpu 2>/dev/null | sed -n 's/^NUMA node(s): *//p')"
+	command -v nvidia-smi >/dev/null && nvidia-smi topo -m 2>/dev/null | sed 's/\x1b\[[0-9;]*m//g' | grep -E '^GPU[0-9]' | sed 's/^/topology: /'
 } | tee "$OUT/env.txt"
 
 failed=0

@@ -273,7 +273,8 @@ def table(path, env=None):
     if env:
         try:
             with open(env) as f:
-                head = [l.rstrip("\n") for l in f][:2]
+                lines = [l.rstrip("\n") for l in f]
+            head = lines[:2] + [l for l in lines[2:] if l.startswith(("host:", "topology:"))]
             for l in head:
                 print(l.lstrip("= "))
                 print()
