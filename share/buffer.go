@@ -474,6 +474,10 @@ type Arena struct {
 	room    chan struct{} // closed when a range is freed; made by a waiter
 	pending []*Buffer     // freed, waiting for consumers' GPU work; Exporter.mu
 	blk     []Buffer      // where Alloc's next Buffers come from; Exporter.mu
+	// lost are the ranges abandoned to lost consumers (VMM): out of use
+	// until the arena is retired (abandonLocked). Exporter.mu.
+	lost      []span
+	lostBytes uint64
 }
 
 // arenaBlock is the number of arena Buffers allocated together.
@@ -518,6 +522,12 @@ func (e *Exporter) NewArena(size uint64) (*Arena, error) {
 // range that consumers released stream-ordered comes back once their GPU
 // work is done: Alloc checks without waiting, and only when the arena is
 // out of room waits on the host for the oldest such range.
+//
+// With VMM, a range that a lost consumer held is never written again, and
+// stays out of use until the arena is retired (PROTOCOL.md, section 7.1).
+// Once such ranges leave no room of size bytes that could ever come free,
+// Alloc returns an error matching ErrAbandoned instead of waiting: retire
+// the arena and make a new one.
 func (a *Arena) Alloc(ctx context.Context, size uint64) (*Buffer, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err // a loop bounded by its context must end even when there is room
@@ -559,6 +569,10 @@ func (a *Arena) Alloc(ctx context.Context, size uint64) (*Buffer, error) {
 				return nil, err
 			}
 			continue
+		}
+		if len(a.lost) > 0 && !fits(a.rec.size, a.lost, need) {
+			return nil, fmt.Errorf("%w: Alloc(%d) from arena allocation %d can never be served: lost consumers may still read %d of its %d bytes, and leave no free range of %d bytes; retire the arena and make a new one",
+				ErrAbandoned, size, a.rec.id, a.lostBytes, a.rec.size, need)
 		}
 		if err := e.waitReadingLocked(ctx, &a.room); err != nil {
 			return nil, err

@@ -327,3 +327,86 @@ func testOfferReads(t *testing.T, sharing share.Sharing, how string) {
 	c.Wait()
 	shutdown(t, e)
 }
+
+// TestAllocStuckConsumer: the one consumer holds the whole arena past the
+// lease timeout while an Alloc waits reading its connection. The consumer
+// is dropped by the lease clock, not by a message on that connection; the
+// Alloc must not hang on it. With legacy IPC its room comes back once the
+// consumer's process has exited. With VMM the range is abandoned to the
+// lost consumer for good (PROTOCOL.md, section 7.1), so the room can never
+// come: the waiting Alloc fails with ErrAbandoned, and so does the next;
+// a smaller Alloc from a new arena is served.
+func TestAllocStuckConsumer(t *testing.T) {
+	bothPaths(t, func(t *testing.T, sharing share.Sharing) {
+		env := sharetest.Setup(t)
+		e := newExporterWith(t, env, share.ExporterConfig{LeaseTimeout: 300 * time.Millisecond, Sharing: sharing})
+		stuck := startConsumer(t, e, sharetest.EnvParam(sharetest.ParamHold, 1))
+		ctx := sharetest.Ctx(t)
+		if err := e.WaitConsumers(ctx, 1); err != nil {
+			t.Fatal(err)
+		}
+		a, err := e.NewArena(4096)
+		if err != nil {
+			t.Fatal(err)
+		}
+		all := a.Available()
+		b, err := a.Alloc(ctx, all)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), 0); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Offer(ctx, b, share.OfferOptions{Meta: sharetest.Meta(0)}); err != nil {
+			t.Fatal(err)
+		}
+		b.Free()
+		stuck.Expect("HELD 1")
+		var got *share.Buffer
+		done := asyncWait(func() (err error) {
+			got, err = a.Alloc(ctx, all)
+			return err
+		})
+		waitUntil(t, "the stuck consumer to be dropped", func() bool { return e.Stats().ConsumersDropped == 1 })
+		if sharing == share.SharingVMM {
+			if err := waitErr(t, "Alloc", done); !errors.Is(err, share.ErrAbandoned) {
+				t.Fatalf("Alloc of a VMM arena whose every byte a lost consumer may read: %v, want ErrAbandoned", err)
+			}
+			if _, err := a.Alloc(ctx, 256); !errors.Is(err, share.ErrAbandoned) {
+				t.Fatalf("a second Alloc: %v, want ErrAbandoned", err)
+			}
+			if s := e.Stats(); s.Abandoned != 1 {
+				t.Errorf("exporter stats %+v, want one buffer abandoned", s)
+			}
+			stuck.Send("release")
+			stuck.Wait()
+			// What the application does with ErrAbandoned.
+			if err := a.Retire(ctx); err != nil {
+				t.Fatal(err)
+			}
+			a2, err := e.NewArena(4096)
+			if err != nil {
+				t.Fatal(err)
+			}
+			b2, err := a2.Alloc(ctx, 256)
+			if err != nil {
+				t.Fatalf("Alloc from a new arena: %v", err)
+			}
+			b2.Free()
+			shutdown(t, e)
+			return
+		}
+		select {
+		case err := <-done:
+			t.Fatalf("Alloc returned (%v) while a live process may still map its range", err)
+		default:
+		}
+		stuck.Send("release")
+		stuck.Wait()
+		if err := waitErr(t, "Alloc", done); err != nil {
+			t.Fatalf("Alloc after the stuck consumer's exit: %v", err)
+		}
+		got.Free()
+		shutdown(t, e)
+	})
+}

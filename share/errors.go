@@ -48,7 +48,8 @@ var (
 	ErrNotHeld = errors.New("share: buffer not held by the producer")
 	// ErrAbandoned: a consumer lost while holding the buffer may still
 	// read it (VMM sharing): it is never written again. A ring has put
-	// fresh memory in its place; take another buffer.
+	// fresh memory in its place; take another buffer. Arena.Alloc returns
+	// it when such ranges leave the arena no room of the size asked for.
 	ErrAbandoned = errors.New("share: buffer abandoned to a lost consumer")
 	// ErrForeignBuffer: the buffer was made by another Exporter (or is
 	// nil); an exporter offers, broadcasts and retires only its own.

@@ -66,3 +66,19 @@ func (s *spans) available() uint64 {
 	}
 	return n
 }
+
+// fits reports whether a range of n bytes can ever be free in [0, size)
+// while the ranges of out (which may overlap nothing else) stay out of
+// use, whatever else comes back.
+func fits(size uint64, out []span, n uint64) bool {
+	out = append([]span(nil), out...)
+	sort.Slice(out, func(i, j int) bool { return out[i].off < out[j].off })
+	var at uint64
+	for _, o := range out {
+		if o.off >= at && o.off-at >= n {
+			return true
+		}
+		at = max(at, o.off+o.n)
+	}
+	return size >= at && size-at >= n
+}

@@ -54,3 +54,29 @@ func TestSpans(t *testing.T) {
 		t.Fatalf("free list after freeing everything: %v", s.free)
 	}
 }
+
+// TestFits: whether a range can ever come free between the ranges out of
+// use (an arena's ranges abandoned to lost consumers).
+func TestFits(t *testing.T) {
+	for _, tc := range []struct {
+		out  []span
+		n    uint64
+		want bool
+	}{
+		{nil, 100, true},
+		{nil, 101, false},
+		{[]span{{0, 100}}, 1, false},
+		{[]span{{40, 10}}, 50, true},           // after it: [50, 100)
+		{[]span{{40, 10}}, 51, false},          // before it 40, after it 50
+		{[]span{{60, 10}, {10, 10}}, 40, true}, // unsorted; between them: [20, 60)
+		{[]span{{60, 10}, {10, 10}}, 41, false},
+		{[]span{{0, 30}, {70, 30}}, 40, true},
+		{[]span{{0, 30}, {70, 30}}, 41, false},
+		{[]span{{10, 10}, {20, 10}, {30, 70}}, 10, true}, // [0, 10)
+		{[]span{{10, 10}, {20, 10}, {30, 70}}, 11, false},
+	} {
+		if got := fits(100, tc.out, tc.n); got != tc.want {
+			t.Errorf("fits(100, %v, %d) = %v, want %v", tc.out, tc.n, got, tc.want)
+		}
+	}
+}

@@ -226,6 +226,12 @@ func (e *Exporter) abandonLocked(b *Buffer) {
 	if r := b.ring; r != nil && !b.rec.quarantined && b.rec.state == recLive && !e.closing {
 		e.quarantineLocked(r, b.rec)
 	}
+	if a := b.arena; a != nil {
+		a.lost = append(a.lost, span{b.off, b.span})
+		a.lostBytes += b.span
+		// An Alloc waiting for room looks whether it may still come.
+		e.notifyLocked(&a.room)
+	}
 }
 
 // quarantineLocked replaces the ring allocation old, which holds an
