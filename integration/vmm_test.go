@@ -52,3 +52,34 @@ func TestVMMStuckConsumerDoesNotPin(t *testing.T) {
 		t.Errorf("the stuck consumer exited %d, want %d (dropped); stderr:\n%s", code, app.ExitDropped, stuck.stderr.String())
 	}
 }
+
+// TestVMMStuckConsumerArena: the same with fresh buffers from an arena
+// (-fresh) of one buffer (2 MiB, the VMM granularity of the simulator and
+// of the H100 and H200), which the stuck consumer holds (-work 10s) past
+// the lease deadline. An arena cannot put fresh memory in place of the
+// range it gives up to the lost consumer; with that range the whole arena
+// is gone, and Arena.Alloc says so (ErrAbandoned) instead of waiting for
+// ever: the producer makes a new arena, retires the old one, and the other
+// consumer is served again.
+func TestVMMStuckConsumerArena(t *testing.T) {
+	e := newEnv(t, "")
+	prod := e.producer("-sharing", "vmm", "-fresh", "-ring", "1", "-size", "2MiB", "-consumers", "2",
+		"-lease-timeout", "2s", "-shutdown-timeout", "10s", "-v")
+	a := e.consumer("a", "-report-every", "100ms")
+	stuck := e.consumer("stuck", "-credits", "1", "-work", "10s", "-report-every", "100ms")
+	defer stuck.cmd.Process.Kill()
+	connected(t, prod, 2)
+	// Past the lease deadline of whatever the stuck consumer took first.
+	time.Sleep(3 * time.Second)
+	a.servedPast(a.handoffs()+200, 20*time.Second)
+
+	prod.signal(syscall.SIGTERM)
+	if r := a.consumerDone(30 * time.Second); r.End != "producer said goodbye" || r.VerifyErrors != 0 {
+		t.Errorf("a ended by %q with %d wrong batches", r.End, r.VerifyErrors)
+	}
+	pr := prod.producerDone(30 * time.Second)
+	if pr.Sharing != "vmm" || pr.AllocationsLeft != 0 || pr.ConsumersDropped != 1 || pr.Abandoned != 1 || pr.ArenasReplaced != 1 {
+		t.Errorf("producer: sharing %s, %d allocations left, %d dropped, %d buffers abandoned, %d arenas replaced; want vmm, 0, 1, 1, 1",
+			pr.Sharing, pr.AllocationsLeft, pr.ConsumersDropped, pr.Abandoned, pr.ArenasReplaced)
+	}
+}

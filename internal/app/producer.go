@@ -256,13 +256,43 @@ func (p *producer) run(ctx context.Context) error {
 func (p *producer) serve(ctx context.Context, exp *share.Exporter, dctx *driver.Context, stream *driver.Stream) error {
 	// Allocate first, so that a GPU without room fails before anyone waits.
 	var take func(context.Context) (*share.Buffer, error)
+	betweenGroups := func(context.Context) {}
 	if p.cfg.fresh {
 		stride := (p.cfg.size + 255) &^ 255 // the arena aligns buffers to 256 bytes, as cuMemAlloc does
 		arena, err := exp.NewArena(stride * uint64(p.cfg.ring))
 		if err != nil {
 			return p.allocFailed(err)
 		}
-		take = func(ctx context.Context) (*share.Buffer, error) { return arena.Alloc(ctx, p.cfg.size) }
+		var retiring []*share.Arena
+		take = func(ctx context.Context) (*share.Buffer, error) {
+			b, err := arena.Alloc(ctx, p.cfg.size)
+			if !errors.Is(err, share.ErrAbandoned) {
+				return b, err
+			}
+			// Lost consumers may still read so much of the arena (VMM)
+			// that a batch can never fit there again: a new arena takes
+			// its place, and the old one is retired (its memory lives on
+			// in those consumers until they exit).
+			p.log.Warn("the arena is given up to lost consumers; a new one takes its place", "err", err)
+			next, nerr := exp.NewArena(stride * uint64(p.cfg.ring))
+			if nerr != nil {
+				return nil, errors.Join(err, nerr)
+			}
+			// Retired once the batches of this group taken from it
+			// are offered (betweenGroups).
+			retiring = append(retiring, arena)
+			arena = next
+			p.rep.ArenasReplaced++
+			return arena.Alloc(ctx, p.cfg.size)
+		}
+		betweenGroups = func(ctx context.Context) {
+			for _, a := range retiring {
+				if err := a.Retire(ctx); err != nil && ctx.Err() == nil {
+					p.log.Warn("retiring an arena given up to lost consumers", "err", err)
+				}
+			}
+			retiring = retiring[:0]
+		}
 	} else {
 		ring, err := exp.NewRing(p.cfg.ring, p.cfg.size)
 		if err != nil {
@@ -315,6 +345,7 @@ func (p *producer) serve(ctx context.Context, exp *share.Exporter, dctx *driver.
 		if p.cfg.count > 0 {
 			n = min(n, p.cfg.count-seq)
 		}
+		betweenGroups(runCtx)
 		group = group[:0]
 		var err error
 		for uint64(len(group)) < n && err == nil {

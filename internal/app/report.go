@@ -48,8 +48,11 @@ type ProducerReport struct {
 	Retired          uint64 `json:"retired"`
 	// Buffers given up to lost consumers that may still read them (VMM),
 	// and ring allocations replaced with fresh memory because of them.
-	Abandoned       uint64 `json:"abandoned"`
-	Replaced        uint64 `json:"replaced"`
+	Abandoned uint64 `json:"abandoned"`
+	Replaced  uint64 `json:"replaced"`
+	// Arenas (-fresh) replaced because lost consumers held so much of one
+	// that a batch could never fit there again.
+	ArenasReplaced  uint64 `json:"arenas_replaced"`
 	AllocationsLeft int    `json:"allocations_left"` // 0: everything it allocated was freed
 	LeasesLeft      int    `json:"leases_left"`
 
