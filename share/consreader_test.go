@@ -31,12 +31,19 @@ func holdingConsumer(t *testing.T, e *share.Exporter) *sharetest.Child {
 // one 4 KiB buffer, which the consumer takes and holds.
 func heldRing(t *testing.T, env *sharetest.Env, sharing share.Sharing) (*share.Exporter, *share.Ring, *sharetest.Child) {
 	t.Helper()
-	e := newExporterWith(t, env, share.ExporterConfig{Sharing: sharing})
+	return heldRingWith(t, env, share.ExporterConfig{Sharing: sharing}, 1)
+}
+
+// heldRingWith is heldRing with cfg and a ring of n buffers, the first of
+// which the consumer holds.
+func heldRingWith(t *testing.T, env *sharetest.Env, cfg share.ExporterConfig, n int) (*share.Exporter, *share.Ring, *sharetest.Child) {
+	t.Helper()
+	e := newExporterWith(t, env, cfg)
 	c := holdingConsumer(t, e)
 	if err := e.WaitConsumers(sharetest.Ctx(t), 1); err != nil {
 		t.Fatal(err)
 	}
-	r, err := e.NewRing(1, 4096)
+	r, err := e.NewRing(n, 4096)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -272,18 +279,8 @@ func TestOfferReadsTheConsumer(t *testing.T) {
 
 func testOfferReads(t *testing.T, sharing share.Sharing, how string) {
 	env := sharetest.Setup(t)
-	e := newExporterWith(t, env, share.ExporterConfig{Sharing: sharing, MaxLeasesPerConsumer: 1})
-	c := holdingConsumer(t, e)
+	e, r, c := heldRingWith(t, env, share.ExporterConfig{Sharing: sharing, MaxLeasesPerConsumer: 1}, 2)
 	ctx := sharetest.Ctx(t)
-	if err := e.WaitConsumers(ctx, 1); err != nil {
-		t.Fatal(err)
-	}
-	r, err := e.NewRing(2, 4096)
-	if err != nil {
-		t.Fatal(err)
-	}
-	offerRing(t, env, e, r, 0, 1)
-	c.Expect("HELD 1")
 	b, err := r.Acquire(ctx)
 	if err != nil {
 		t.Fatal(err)
