@@ -476,8 +476,16 @@ type Arena struct {
 	blk     []Buffer      // where Alloc's next Buffers come from; Exporter.mu
 	// lost are the ranges abandoned to lost consumers (VMM): out of use
 	// until the arena is retired (abandonLocked). Exporter.mu.
-	lost      []span
-	lostBytes uint64
+	lost []span
+}
+
+// lostBytes is the size of the ranges abandoned to lost consumers. mu held.
+func (a *Arena) lostBytes() uint64 {
+	var n uint64
+	for _, l := range a.lost {
+		n += l.n
+	}
+	return n
 }
 
 // arenaBlock is the number of arena Buffers allocated together.
@@ -572,7 +580,7 @@ func (a *Arena) Alloc(ctx context.Context, size uint64) (*Buffer, error) {
 		}
 		if len(a.lost) > 0 && !fits(a.rec.size, a.lost, need) {
 			return nil, fmt.Errorf("%w: Alloc(%d) from arena allocation %d can never be served: lost consumers may still read %d of its %d bytes, and leave no free range of %d bytes; retire the arena and make a new one",
-				ErrAbandoned, size, a.rec.id, a.lostBytes, a.rec.size, need)
+				ErrAbandoned, size, a.rec.id, a.lostBytes(), a.rec.size, need)
 		}
 		if err := e.waitReadingLocked(ctx, &a.room); err != nil {
 			return nil, err

@@ -228,9 +228,8 @@ func (e *Exporter) abandonLocked(b *Buffer) {
 	}
 	if a := b.arena; a != nil {
 		a.lost = append(a.lost, span{b.off, b.span})
-		a.lostBytes += b.span
 		e.log.Warn("share: an arena range is given up to a lost consumer that may still read it; it stays out of use until the arena is retired",
-			"alloc", b.rec.id, "offset", b.off, "bytes", b.span, "lost", a.lostBytes, "arena", b.rec.size)
+			"alloc", b.rec.id, "offset", b.off, "bytes", b.span, "lost", a.lostBytes(), "arena", b.rec.size)
 		// An Alloc waiting for room looks whether it may still come.
 		e.notifyLocked(&a.room)
 	}
