@@ -17,7 +17,10 @@ var soak = flag.Bool("soak", false, "run TestSoak (also CUDASHARE_SOAK=1): 70 s 
 // with -soak or CUDASHARE_SOAK=1 (.ci/run runs it once).
 //
 // Producer: ring of 8 x 64 KiB, -lease-timeout 3s, -write-timeout 2s,
-// -max-leases 4, -shutdown-timeout 15s. Consumers (-write-timeout 2s,
+// -max-leases 4, -shutdown-timeout 15s. With CUDASHARE_SOAK_ARENA=1, fresh
+// buffers instead, from an arena of 4 x 512 KiB (one VMM granule of 2 MiB):
+// with VMM, what the dropped and the killed consumers held is given up to
+// them, and the producer must replace an arena that can no longer serve. Consumers (-write-timeout 2s,
 // -report-every 1s, -verify sample:25):
 //   - steady: -work 2ms; slow: one worker, -work 20ms, on the other GPU
 //     where there are two (peer access);
@@ -46,8 +49,12 @@ func TestSoak(t *testing.T) {
 	}
 	const seconds = 70
 	e := newEnv(t, "")
-	prod := e.producer("-ring", "8", "-size", "64KiB", "-consumers", "5", "-lease-timeout", "3s", "-write-timeout", "2s",
-		"-max-leases", "4", "-shutdown-timeout", "15s", "-v", "-report-every", "200ms")
+	buffers := []string{"-ring", "8", "-size", "64KiB"}
+	if os.Getenv("CUDASHARE_SOAK_ARENA") == "1" {
+		buffers = []string{"-fresh", "-ring", "4", "-size", "512KiB"}
+	}
+	prod := e.producer(append(buffers, "-consumers", "5", "-lease-timeout", "3s", "-write-timeout", "2s",
+		"-max-leases", "4", "-shutdown-timeout", "15s", "-v", "-report-every", "200ms")...)
 	common := []string{"-write-timeout", "2s", "-report-every", "1s", "-verify", "sample:25"}
 	cons := func(name string, args ...string) *proc { return e.consumer(name, append(args, common...)...) }
 	other := "0" // the GPU of the slow consumer and the replacement
@@ -145,7 +152,8 @@ func TestSoak(t *testing.T) {
 		}
 	}
 	pr := prod.producerDone(30 * time.Second)
-	t.Logf("producer: %d batches, %d consumers lost, %d dropped", pr.Batches, pr.ConsumersLost, pr.ConsumersDropped)
+	t.Logf("producer: %d batches, %d consumers lost, %d dropped; %d buffers abandoned, %d ring allocations and %d arenas replaced",
+		pr.Batches, pr.ConsumersLost, pr.ConsumersDropped, pr.Abandoned, pr.Replaced, pr.ArenasReplaced)
 	if pr.ConsumersDropped < 1 {
 		t.Errorf("the producer dropped no consumer; one was stopped past the lease timeout")
 	}
