@@ -81,11 +81,7 @@ func waitAcquired(t *testing.T, done <-chan acquired) acquired {
 }
 
 func TestAcquireReadsTheConsumer(t *testing.T) {
-	bothPaths(t, func(t *testing.T, sharing share.Sharing) {
-		for _, how := range []string{"release", "cancel", "close"} {
-			t.Run(how, func(t *testing.T) { testAcquireReads(t, sharing, how) })
-		}
-	})
+	eachWay(t, testAcquireReads, []string{"release", "cancel", "close"})
 }
 
 func testAcquireReads(t *testing.T, sharing share.Sharing, how string) {
@@ -171,6 +167,15 @@ func TestAcquireWokenByAnotherConsumer(t *testing.T) {
 	})
 }
 
+// eachWay runs test for both sharing paths and each way a wait may end.
+func eachWay(t *testing.T, test func(t *testing.T, sharing share.Sharing, how string), hows []string) {
+	bothPaths(t, func(t *testing.T, sharing share.Sharing) {
+		for _, how := range hows {
+			t.Run(how, func(t *testing.T) { test(t, sharing, how) })
+		}
+	})
+}
+
 // asyncWait runs f on its own goroutine, once it has had the time to wait
 // (the condition under test, not a timing).
 func asyncWait(f func() error) <-chan error {
@@ -186,11 +191,7 @@ func asyncWait(f func() error) <-chan error {
 // producer's half from another goroutine, with nothing arriving on the
 // connection being read: the Alloc must be woken for it.
 func TestAllocReadsTheConsumer(t *testing.T) {
-	bothPaths(t, func(t *testing.T, sharing share.Sharing) {
-		for _, how := range []string{"release", "free", "cancel", "close"} {
-			t.Run(how, func(t *testing.T) { testAllocReads(t, sharing, how) })
-		}
-	})
+	eachWay(t, testAllocReads, []string{"release", "free", "cancel", "close"})
 }
 
 func testAllocReads(t *testing.T, sharing share.Sharing, how string) {
@@ -270,11 +271,7 @@ func testAllocReads(t *testing.T, sharing share.Sharing, how string) {
 // TestOfferReadsTheConsumer: the one consumer may hold one lease and
 // holds it; an Offer waits for its credit, reading its connection.
 func TestOfferReadsTheConsumer(t *testing.T) {
-	bothPaths(t, func(t *testing.T, sharing share.Sharing) {
-		for _, how := range []string{"release", "cancel", "close"} {
-			t.Run(how, func(t *testing.T) { testOfferReads(t, sharing, how) })
-		}
-	})
+	eachWay(t, testOfferReads, []string{"release", "cancel", "close"})
 }
 
 func testOfferReads(t *testing.T, sharing share.Sharing, how string) {
