@@ -30,7 +30,8 @@
 #              mode), ring of 8 x 1 MiB and fresh 64 MiB, -workers (default
 #              2), credits 8; and -verify async on a ring of 32 x 1 MiB,
 #              credits 32, with the producer's -group 16 (batches filled and
-#              offered 16 at a time).
+#              offered 16 at a time); on one GPU a ring of 128 in groups of
+#              64 too, and across GPUs the ring of 8 with 4 workers.
 #   python     the Python consumer (python/, msgpack; PYTHONPATH .gpu/pylib
 #              if the python3 here lacks it) against the Go producer, ring of
 #              8 x 1 MiB, both sharing paths: python -m cudashare consume
@@ -287,6 +288,17 @@ for pair in "${pairs[@]}"; do
 				# On one GPU without MPS the two processes' GPU work
 				# time-slices: groups of 16 switch once per group.
 				ours "cudashare-ring32-$g-verify-async-g16" "$d" "$c" "$workers" 32 async fill+copy -- -ring 32 -group 16 -size 1MiB
+				# Bigger groups switch less often, for latency: on one
+				# GPU a ring of 128 in groups of 64.
+				if [ "$d" = "$c" ]; then
+					ours "cudashare-ring128-$g-verify-async-g64" "$d" "$c" "$workers" 128 async fill+copy -- -ring 128 -group 64 -size 1MiB
+				fi
+			fi
+			if [ $mode = ring ] && [ "$d" != "$c" ] && [ "$workers" -lt 4 ]; then
+				# Across GPUs the bound is the GPU's chain of
+				# interprocess events on each worker's stream, not the
+				# host: more workers are more streams.
+				ours "cudashare-ring-$g-verify-async-w4" "$d" "$c" 4 8 async fill+copy -- -ring 8 -size 1MiB
 			fi
 		else
 			sz=$MiB
