@@ -570,8 +570,19 @@ func (a *Arena) Alloc(ctx context.Context, size uint64) (*Buffer, error) {
 			e.mu.Unlock()
 			err := e.settle(b, nil)
 			e.mu.Lock()
-			if a.rec.state == recLive {
+			switch {
+			case a.rec.state != recLive:
+			case err != nil:
+				// Whether the consumers' GPU work is done is unknown:
+				// the range stays out of use, as a lost consumer's.
+				a.lost = append(a.lost, span{b.off, b.span})
+				e.log.Warn("share: an arena range stays out of use: waiting for a consumer's stream-ordered release failed",
+					"alloc", b.rec.id, "offset", b.off, "bytes", b.span, "lost", a.lostBytes(), "arena", b.rec.size, "err", err)
+			default:
+				// Other Allocs waiting for room may fit in what this one
+				// leaves.
 				a.spans.release(b.off, b.span)
+				e.notifyLocked(&a.room)
 			}
 			if err != nil {
 				return nil, err

@@ -255,9 +255,17 @@ func (e *Exporter) quarantineLocked(r *Ring, old *allocRec) {
 	e.stats.Replaced++
 	// Take the free buffers out, so that each slot is in the free list
 	// exactly once, as the buffer or as its successor; the others go back.
+	// Ring.next takes from the free list without mu: a receive guarded
+	// only by len could block, mu held, on a buffer taken in between.
 	wasFree := make(map[*Buffer]bool, cap(r.free))
-	for len(r.free) > 0 {
-		wasFree[<-r.free] = true
+drain:
+	for {
+		select {
+		case b := <-r.free:
+			wasFree[b] = true
+		default:
+			break drain
+		}
 	}
 	for _, x := range old.ringBufs {
 		if x.gone {
