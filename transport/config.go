@@ -90,7 +90,9 @@ type Config struct {
 	// side a wake-up. 0 means 50µs; negative, never.
 	RingSpin time.Duration
 	// Logger receives refusals and failed handshakes. Nil means
-	// slog.Default().
+	// slog.Default(). A listener limits what it and its connections log
+	// there to a burst of 20 records, then one a second; the next record
+	// that passes counts those held back ("suppressed").
 	Logger *slog.Logger
 }
 

@@ -3,9 +3,13 @@
 package transport
 
 import (
+	"bytes"
+	"context"
 	"errors"
+	"log/slog"
 	"net"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -272,5 +276,88 @@ func TestOtherNamespacePeersShareHalf(t *testing.T) {
 	if !errors.Is(err, ErrLimit) || !strings.Contains(err.Error(), "other PID namespaces") ||
 		!strings.Contains(err.Error(), "max(MaxConnsPerPeer, MaxConns/2)=4") {
 		t.Fatalf("connection past the other namespaces' bucket: %v, want ErrLimit naming it", err)
+	}
+}
+
+// lockedLog collects log output written from several goroutines.
+type lockedLog struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (w *lockedLog) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.buf.Write(p)
+}
+
+func (w *lockedLog) lines(substr string) int {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return strings.Count(w.buf.String(), substr)
+}
+
+// TestRefusalsLogLimited refuses a flood of connections from one process:
+// every one is told why, but the listener's log gets a burst of warnings
+// and then about one a second, not one per connection.
+func TestRefusalsLogLimited(t *testing.T) {
+	log := &lockedLog{}
+	cfg := testConfig(RoleProducer, log)
+	cfg.HandshakeTimeout = time.Minute
+	cfg.MaxHandshakesPerPeer = 2
+	l := listen(t, cfg)
+	start := time.Now()
+	var keep []net.Conn
+	for range 2 {
+		keep = append(keep, rawDial(t, l.Addr()).c) // pending: the rest are refused
+	}
+	const flood = 300
+	for range flood {
+		c := rawDial(t, l.Addr()).c
+		readLimitError(t, c, "MaxHandshakesPerPeer")
+		c.Close()
+	}
+	refused := log.lines("refused connection")
+	if most := logBurst + 1 + int(time.Since(start).Seconds())*logPerSecond; refused == 0 || refused > most {
+		t.Fatalf("%d refusals logged %d warnings, want 1 to %d", flood, refused, most)
+	}
+	for _, c := range keep {
+		c.Close()
+	}
+}
+
+// TestRateLimit: a burst passes, then one a second, and the record that
+// passes after some were held back says how many.
+func TestRateLimit(t *testing.T) {
+	var out bytes.Buffer
+	lg := limitLogger(slog.New(slog.NewTextHandler(&out, nil)))
+	h := lg.Handler()
+	t0 := time.Date(2026, 11, 26, 0, 0, 0, 0, time.UTC)
+	emit := func(at time.Time, msg string) {
+		if err := h.Handle(context.Background(), slog.NewRecord(at, slog.LevelWarn, msg, 0)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range logBurst + 50 {
+		emit(t0.Add(time.Duration(i)*time.Millisecond), "flood")
+	}
+	if n := strings.Count(out.String(), "msg=flood"); n != logBurst {
+		t.Fatalf("%d records within 70 ms passed %d, want the burst, %d", logBurst+50, n, logBurst)
+	}
+	emit(t0.Add(2*time.Second), "later")
+	if !strings.Contains(out.String(), "msg=later suppressed=50") {
+		t.Fatalf("the record after 50 held back does not say so:\n%s", out.String())
+	}
+	// A copy with attributes shares the limit.
+	out.Reset()
+	h2 := h.WithAttrs([]slog.Attr{slog.String("k", "v")})
+	for i := range 5 {
+		at := t0.Add(2500*time.Millisecond + time.Duration(i)*time.Millisecond)
+		if err := h2.Handle(context.Background(), slog.NewRecord(at, slog.LevelWarn, "copy", 0)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n := strings.Count(out.String(), "msg=copy"); n != 1 {
+		t.Fatalf("a copy with attributes passed %d records with one and a half tokens left, want 1:\n%s", n, out.String())
 	}
 }

@@ -81,6 +81,9 @@ func Listen(ctx context.Context, path string, cfg Config) (*Listener, error) {
 	if err != nil {
 		return nil, fmt.Errorf("transport: listen %s: %w", path, err)
 	}
+	// What the listener and its connections log comes from peers, as
+	// fast as they connect: limited (ratelog.go).
+	cfg.Logger = limitLogger(cfg.Logger)
 	l := &Listener{
 		cfg:   cfg,
 		ln:    ln,
