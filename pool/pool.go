@@ -21,7 +21,9 @@ import (
 // releases the lease then. GPU work on the memory goes on the lease's
 // stream (l.Stream(), ready for it); with Config.ReleaseAfter that work
 // may still be queued when the handler returns, otherwise it must have
-// been waited for.
+// been waited for. ctx ends with the pool's context, when a handler fails,
+// and when the producer drops this consumer or vanishes (its leases are
+// void then), but not at its goodbye.
 type Handler func(ctx context.Context, l *share.Lease) error
 
 // Config configures a pool. The zero value is one worker whose leases are
@@ -69,6 +71,8 @@ func (e *PanicError) Unwrap() error {
 type Pool struct {
 	g       *errgroup.Group
 	ctx     context.Context
+	lost    context.Context         // ctx, or ended with the importer's error: the producer dropped this consumer or vanished
+	lose    context.CancelCauseFunc // frees lost
 	imp     *share.Importer
 	cfg     Config
 	streams []*driver.Stream
@@ -129,9 +133,24 @@ func StartWith(ctx context.Context, imp *share.Importer, cfg Config, h Handler) 
 			streams = append(streams, s)
 		}
 	}
-	g, gctx := errgroup.WithContext(ctx)
+	// The handlers' context also ends when the producer drops this
+	// consumer or vanishes: their leases are void then, and a handler
+	// busy for long (every worker holding a lease, none in Next) would
+	// not learn it otherwise. A goodbye does not end it: the producer
+	// waits for the leases handed out.
+	lost, lose := context.WithCancelCause(ctx)
+	g, gctx := errgroup.WithContext(lost)
 	g.SetLimit(cfg.Workers)
-	p := &Pool{g: g, ctx: ctx, imp: imp, cfg: cfg, streams: streams, done: make(chan struct{})}
+	go func() {
+		select {
+		case <-imp.Done():
+			if err := imp.Err(); errors.Is(err, share.ErrProducerGone) && !errors.Is(err, io.EOF) {
+				lose(err)
+			}
+		case <-gctx.Done():
+		}
+	}()
+	p := &Pool{g: g, ctx: ctx, lost: lost, lose: lose, imp: imp, cfg: cfg, streams: streams, done: make(chan struct{})}
 	for i := range cfg.Workers {
 		w := worker{imp: imp, h: h, releaseAfter: cfg.ReleaseAfter}
 		if streams != nil {
@@ -158,6 +177,12 @@ func (p *Pool) finish() {
 	if err == nil {
 		err = p.ctx.Err()
 	}
+	if err == nil {
+		// The workers saw their context end, and left the cause to
+		// whoever ended it: the importer.
+		err = context.Cause(p.lost)
+	}
+	defer p.lose(nil)
 	sctx, cancel := context.WithTimeout(context.WithoutCancel(p.ctx), p.cfg.ShutdownTimeout)
 	defer cancel()
 	// The importer waits for the stream-ordered releases' work before it

@@ -178,6 +178,34 @@ func TestProducerGone(t *testing.T) {
 	checkImporter(t, im)
 }
 
+// TestProducerGoneEndsHandlers: every worker holds a lease in a handler
+// that waits for its context, so none is in Next to see the producer die:
+// the handlers' context must end with it, and Run return ErrProducerGone.
+func TestProducerGoneEndsHandlers(t *testing.T) {
+	env := sharetest.Setup(t)
+	p, im := dial(t, env, 4)
+	const workers = 2
+	var in, cancelled atomic.Int32
+	err := pool.Run(sharetest.Ctx(t), im, workers, func(ctx context.Context, l *share.Lease) error {
+		if in.Add(1) == workers {
+			p.Kill()
+		}
+		select {
+		case <-ctx.Done():
+			cancelled.Add(1)
+		case <-time.After(10 * time.Second):
+		}
+		return nil
+	})
+	if !errors.Is(err, share.ErrProducerGone) || errors.Is(err, io.EOF) {
+		t.Fatalf("Run: %v, want ErrProducerGone without a goodbye", err)
+	}
+	if n := cancelled.Load(); n != workers {
+		t.Fatalf("%d of %d handlers saw their context end when the producer died", n, workers)
+	}
+	checkImporter(t, im)
+}
+
 // TestCloseBeforeFree is the cross-process ordering end to end: the
 // producer retires its first ring while the pool's slow handlers hold
 // leases in it, goes on with a second ring, and shuts down; the retirement

@@ -207,6 +207,20 @@ func (im *Importer) Registry() *Registry { return im.reg }
 // its socket.
 func (im *Importer) Ring() bool { return im.conn.Ring() }
 
+// Done returns a channel that is closed once no more leases come: the
+// producer is gone (its goodbye, a drop, its death) or Shutdown or Close
+// began. Leases already handed out stay valid until released; Err says why.
+func (im *Importer) Done() <-chan struct{} { return im.stop }
+
+// Err returns nil until Done is closed, then why no more leases come: an
+// error matching ErrProducerGone (and io.EOF after the producer's goodbye,
+// or the producer's reason when it dropped this consumer), or ErrClosed.
+func (im *Importer) Err() error {
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	return im.ended
+}
+
 // Stats returns the importer's counters.
 func (im *Importer) Stats() ImporterStats {
 	im.mu.Lock()
