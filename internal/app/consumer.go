@@ -340,7 +340,7 @@ func (c *consumer) consume(ctx context.Context, imp *share.Importer, stdout io.W
 	var herr error
 	var herrOnce sync.Once
 	err := pool.RunWith(wctx, imp, pcfg, func(ctx context.Context, l *share.Lease) error {
-		done, err := c.handle(l)
+		done, err := c.handle(ctx, l)
 		if err != nil {
 			herrOnce.Do(func() { herr = err })
 			return err
@@ -380,7 +380,7 @@ func (c *consumer) consume(ctx context.Context, imp *share.Importer, stdout io.W
 // handle is one batch: note its latency, check its content, release it
 // (with -verify async, queue its work and leave the release to the pool).
 // It reports whether -count is reached.
-func (c *consumer) handle(l *share.Lease) (bool, error) {
+func (c *consumer) handle(ctx context.Context, l *share.Lease) (bool, error) {
 	recv := monoNow()
 	if c.firstNS.CompareAndSwap(0, recv) {
 		c.cpu0.Store(int64(cpuNow()))
@@ -408,7 +408,15 @@ func (c *consumer) handle(l *share.Lease) (bool, error) {
 		c.check(l, seq)
 	}
 	if c.cfg.work > 0 {
-		time.Sleep(c.cfg.work)
+		// The pretended work ends with the pool: on a signal, or once
+		// the producer has dropped this consumer, the process ends within
+		// -shutdown-timeout, not after the work.
+		t := time.NewTimer(c.cfg.work)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+		}
 	}
 	if !c.cfg.verify.async {
 		// Release as soon as nothing reads the buffer any more (the checks
