@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import sys
 import threading
 import time
@@ -14,7 +15,10 @@ import time
 from . import connect
 from .errors import Closed, NotSupported, ProducerGone, ProtocolError
 
+# The Go consumer's exit statuses (internal/app/common.go), so that scripts
+# and the benchmark read both the same way.
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_DRIVER, EXIT_NO_PRODUCER, EXIT_PRODUCER_GONE = 0, 1, 2, 3, 4, 5
+EXIT_REFUSED, EXIT_DROPPED = 7, 8
 
 
 def _default_socket():
@@ -62,6 +66,13 @@ def consume(args, out):
         return rep
     except NotSupported as e:
         rep.update(end="error", error=str(e), exit=EXIT_NO_DRIVER)
+        return rep
+    except KeyboardInterrupt:
+        rep.update(end="signal", error="interrupted while connecting to %s" % args.socket, exit=EXIT_FAILURE)
+        return rep
+    except ProtocolError as e:
+        # Refused at the handshake: another user, a version, a limit.
+        rep.update(end="refused", error=str(e), exit=EXIT_REFUSED if e.remote else EXIT_FAILURE)
         return rep
     rep["driver"], rep["driver_reason"] = c.backend, c.backend_reason
     rep["device_uuid"] = _uuid(c.device_uuid)
@@ -120,8 +131,9 @@ def consume(args, out):
     except ProducerGone as e:
         rep["end"], err = "producer vanished", (str(e), EXIT_PRODUCER_GONE)
     except ProtocolError as e:
+        # remote: the producer sent the error, and dropped this consumer.
         rep["end"] = "dropped" if e.remote else "protocol error"
-        err = (str(e), EXIT_FAILURE)
+        err = (str(e), EXIT_DROPPED if e.remote else EXIT_FAILURE)
     except KeyboardInterrupt:
         rep["end"] = "signal"
     finally:
@@ -149,6 +161,10 @@ def consume(args, out):
     return rep
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt("signal %d" % signum)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m cudashare")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -164,6 +180,10 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.batches < 0 or a.workers < 1 or not 1 <= a.credits <= 1048576:
         p.error("--batches >= 0, --workers >= 1, --credits 1 to 1048576")
+    # SIGTERM ends the run as SIGINT does: the leases in hand are released,
+    # the mappings closed, goodbye said, and the report printed (exit 0, end
+    # "signal"), as the Go consumer does.
+    signal.signal(signal.SIGTERM, _interrupt)
     rep = consume(a, sys.stdout)
     sys.stdout.write(json.dumps(rep, separators=(",", ":")) + "\n")
     if rep.get("error"):

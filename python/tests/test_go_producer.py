@@ -124,6 +124,27 @@ def test_cli_report_matches_go(go_producer, gobin):
     assert set(go) - {"read_test", "error"} <= set(py), set(go) - set(py)
 
 
+def test_cli_sigterm(go_producer):
+    """SIGTERM ends the CLI as SIGINT does: leases released, goodbye said,
+    the report printed, exit 0 (the Go consumer's end "signal")."""
+    p = go_producer("-size", "64KiB")
+    cli = subprocess.Popen([sys.executable, "-m", "cudashare", "consume", "--socket", p.path, "--verify", "byte",
+                            "--wait", "5"], cwd=PY, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=dict(os.environ, CUDASHARE_DRIVER="sim"))
+    try:
+        time.sleep(1.5)  # connected and consuming; the report says if not
+        cli.send_signal(signal.SIGTERM)
+        out, err = cli.communicate(timeout=20)
+    finally:
+        cli.kill()
+    assert cli.returncode == 0, err
+    rep = json.loads(out.strip().splitlines()[-1])
+    assert rep["end"] == "signal" and rep["handoffs"] > 0 and rep["exit"] == 0, rep
+    p.kill(signal.SIGINT)
+    prep, code = p.wait()
+    assert code == 0 and prep["consumers_lost"] == 0 and prep["allocations_left"] == 0, (prep, p.err)
+
+
 def test_vmm_data_path(go_producer, gobin):
     """Needs the producer's VMM lending (-sharing vmm)."""
     if not producer_has_sharing(gobin):

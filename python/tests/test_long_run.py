@@ -267,7 +267,8 @@ def test_lease_held_past_timeout_drops_only_that_consumer(go_producer, gobin, pr
 def test_stopped_consumer_is_dropped_and_says_so(go_producer, procs):
     """A `python -m cudashare consume` process SIGSTOPped until the producer
     drops it (past the 1 s lease and write timeouts), then SIGCONTed: it
-    reports the drop (end "dropped", error 11) and exits 1; the producer
+    reports the drop (end "dropped", error 11) and exits 8, as the Go
+    consumer does; the producer
     went on serving the other consumer and exits 0."""
     p = watched(go_producer("-size", "64KiB", "-consumers", "2", "-report-every", "100ms", *SHORT))
     cli = start_py_cli(p, "--verify", "full", "--credits", "2", "--workers", "1")
@@ -297,7 +298,7 @@ def test_stopped_consumer_is_dropped_and_says_so(go_producer, procs):
     finally:
         other.close()
     rep, code = p.wait()
-    assert ccode == 1, (crep, cli.stderr)
+    assert ccode == 8, (crep, cli.stderr)
     assert crep["end"] == "dropped" and "error 11 (timeout)" in crep["error"] and "lease" in crep["error"], crep
     assert "dropped" in cli.stderr or "error 11" in cli.stderr, cli.stderr
     assert "garbage-collected" not in cli.stderr, cli.stderr  # it released every lease it was handed
