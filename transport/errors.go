@@ -96,6 +96,10 @@ var codeSentinels = [...]error{
 
 // codeOf maps a local failure to the code that tells the peer about it.
 func codeOf(err error) uint32 {
+	if errors.Is(err, ErrWriteTimeout) {
+		// The peer held what was written to it past a deadline.
+		return codeTimeout
+	}
 	for code, s := range codeSentinels {
 		if s != nil && errors.Is(err, s) {
 			return uint32(code)

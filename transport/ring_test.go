@@ -515,3 +515,46 @@ func TestRingOneCredit(t *testing.T) {
 	default:
 	}
 }
+
+// TestRingStalledPeerTold: a consumer that stops reading its ring (stopped
+// with SIGSTOP, say) fails the producer's writes with ErrWriteTimeout, and
+// is sent why on the socket, which has room: once it reads again, it gets
+// the producer's error (code 11, timeout) after what the ring held, not an
+// end of stream that would read as the producer's death.
+func TestRingStalledPeerTold(t *testing.T) {
+	pcfg, ccfg := ringConfigs(t)
+	pcfg.WriteTimeout = 200 * time.Millisecond
+	ccfg.Credits = MaxWindow
+	prod, cons := pair(t, pcfg, ccfg)
+	if !prod.Ring() {
+		t.Fatal("no ring between two Conns that allow one")
+	}
+	o := testOffer()
+	o.Meta = mustMarshal(strings.Repeat("x", 4000))
+	ctx := testCtx(t)
+	var err error
+	sent := 0
+	for i := 0; err == nil; i++ {
+		o.Seq = uint64(i)
+		if err = prod.SendOffer(ctx, &o); err == nil {
+			err = prod.Flush(ctx)
+		}
+		if err == nil {
+			sent++
+		}
+	}
+	if !errors.Is(err, ErrWriteTimeout) {
+		t.Fatalf("offers to a consumer that does not read its ring: %v, want ErrWriteTimeout", err)
+	}
+	var m Message
+	got := 0
+	for err = nil; err == nil; got++ {
+		err = cons.Recv(ctx, &m)
+	}
+	if !errors.Is(err, ErrRemote) || !errors.Is(err, ErrTimeout) || !strings.Contains(err.Error(), "ring") {
+		t.Fatalf("the stalled consumer, reading again, got %v after %d messages, want the producer's error: a timeout, naming the ring", err, got-1)
+	}
+	if got-1 < sent {
+		t.Fatalf("the consumer read %d of the %d offers sent before the error", got-1, sent)
+	}
+}

@@ -301,7 +301,7 @@ func (c *Conn) ringPause(w *ringWait, what string) error {
 	if w.stuck.IsZero() {
 		w.stuck = now
 	} else if now.Sub(w.stuck) >= c.cfg.WriteTimeout {
-		return fmt.Errorf("%w: the peer %s for %v", ErrWriteTimeout, what, c.cfg.WriteTimeout)
+		return fmt.Errorf("%w: the peer %s for %v%w", ErrWriteTimeout, what, c.cfg.WriteTimeout, errRingStalled)
 	}
 	w.pause = min(max(2*w.pause, 10*time.Microsecond), time.Millisecond)
 	if c.ringTimer == nil {

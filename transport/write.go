@@ -227,8 +227,16 @@ func (c *Conn) writeFailed(err error) {
 		c.setFailure(err)
 		return
 	}
-	c.fail(err, false)
+	// A peer that left the ring unread (stopped, say) can be told why it
+	// was dropped: the socket holds whole frames and has room, and the
+	// peer reads it once it resumes. A full socket has no room for it,
+	// and may end in the middle of a frame.
+	c.fail(err, errors.Is(err, errRingStalled))
 }
+
+// errRingStalled marks a write timeout on a ring, where the socket is
+// free for an error message. Its text is empty: it only marks.
+var errRingStalled = errors.New("")
 
 // writeBatch writes buf, sending each set of descriptors with the first
 // byte of its frame.
