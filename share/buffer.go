@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
 )
@@ -260,7 +261,8 @@ type Ring struct {
 	free chan *Buffer  // buffers ready to be acquired; room for all
 	dead chan struct{} // closed once the ring is retired
 	// Exporter.mu.
-	deadClosed bool
+	deadClosed   bool
+	pinnedWarned time.Time // when warnPinnedLocked last warned about it
 }
 
 // NewRing allocates n buffers of size bytes each. With legacy IPC they
@@ -477,6 +479,10 @@ type Arena struct {
 	// lost are the ranges abandoned to lost consumers (VMM): out of use
 	// until the arena is retired (abandonLocked). Exporter.mu.
 	lost []span
+	// waiting counts the Allocs waiting for room; pinnedWarned is when
+	// warnPinnedLocked last warned about it. Exporter.mu.
+	waiting      int
+	pinnedWarned time.Time
 }
 
 // lostBytes is the size of the ranges abandoned to lost consumers. mu held.
@@ -593,7 +599,10 @@ func (a *Arena) Alloc(ctx context.Context, size uint64) (*Buffer, error) {
 			return nil, fmt.Errorf("%w: Alloc(%d) from arena allocation %d can never be served: lost consumers may still read %d of its %d bytes, and leave no free range of %d bytes; retire the arena and make a new one",
 				ErrAbandoned, size, a.rec.id, a.lostBytes(), a.rec.size, need)
 		}
-		if err := e.waitReadingLocked(ctx, &a.room); err != nil {
+		a.waiting++
+		err := e.waitReadingLocked(ctx, &a.room)
+		a.waiting--
+		if err != nil {
 			return nil, err
 		}
 	}

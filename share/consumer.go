@@ -674,6 +674,7 @@ func (e *Exporter) leaseJanitor(timeout time.Duration) {
 				}
 			}
 		}
+		e.warnPinnedLocked(time.Now())
 		e.mu.Unlock()
 		for i, c := range stuck {
 			e.kick(c, why[i])
