@@ -66,14 +66,29 @@ func (b *Buffer) waitAfterLocked(ce *consEvent) {
 // settle makes stream s (nil: the host) wait for the work of the
 // stream-ordered releases of b, which no consumer holds now, so that work
 // on s after it may overwrite b. A dropped consumer's events are skipped:
-// its process, and its GPU work, are gone. One goroutine at a time.
+// its process, and its GPU work, are gone. A goroutine that comes while
+// another settles b (two WaitOn, say) waits for that one's events too:
+// returning at once, as the list of events to wait for is empty, would let
+// it write under work not yet done.
 func (e *Exporter) settle(b *Buffer, s *driver.Stream) error {
 	e.mu.Lock()
-	if len(b.after) == 0 {
+	if len(b.after) == 0 && len(b.settling) == 0 {
 		e.mu.Unlock()
 		return nil
 	}
-	set := b.settling[:0]
+	// The first settles with b.settling, the other half of a double
+	// buffer, so that it allocates nothing; a later one makes its own.
+	own := len(b.settling) == 0
+	var set []*consEvent
+	if own {
+		set = b.settling[:0]
+	} else {
+		set = make([]*consEvent, 0, len(b.settling)+len(b.after))
+		for _, ce := range b.settling {
+			ce.refs++
+			set = append(set, ce)
+		}
+	}
 	for _, ce := range b.after {
 		if ce.dead {
 			e.unrefEventLocked(ce, 1)
@@ -81,7 +96,10 @@ func (e *Exporter) settle(b *Buffer, s *driver.Stream) error {
 		}
 		set = append(set, ce)
 	}
-	b.after, b.settling = b.after[:0], set
+	b.after = b.after[:0]
+	if own {
+		b.settling = set
+	}
 	e.mu.Unlock()
 	var err error
 	for _, ce := range set {
@@ -95,7 +113,10 @@ func (e *Exporter) settle(b *Buffer, s *driver.Stream) error {
 	for _, ce := range set {
 		e.unrefEventLocked(ce, 1)
 	}
-	b.settling = set[:0]
+	if own {
+		clear(set)
+		b.settling = set[:0]
+	}
 	e.mu.Unlock()
 	if err != nil {
 		return fmt.Errorf("share: wait for a consumer's stream-ordered release: %w", err)

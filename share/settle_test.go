@@ -1,0 +1,62 @@
+//go:build linux
+
+package share_test
+
+import (
+	"sync"
+	"testing"
+
+	"github.com/seed743c36cf/cudashare/internal/sharetest"
+	"github.com/seed743c36cf/cudashare/share"
+)
+
+// TestWaitOnTogether: several goroutines wait for the same buffer, which a
+// consumer released stream-ordered, and the ring's Acquire settles it again
+// later. Each must wait for the consumer's events (the simulator's are done
+// at once, so what this holds is that no settle returns an error, loses a
+// reference or races another: run it with -race), and the exporter ends
+// clean. A second settle used to return at once, the events being already
+// in the first's hands.
+func TestWaitOnTogether(t *testing.T) {
+	env := sharetest.Setup(t)
+	e := newExporterWith(t, env, share.ExporterConfig{Sharing: share.SharingVMM})
+	c := startConsumer(t, e, sharetest.EnvParam(sharetest.ParamStream, 1), sharetest.EnvParam(sharetest.ParamAfter, 1))
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(2, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const batches = 100
+	for i := range uint64(batches) {
+		b, err := r.Acquire(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), i); err != nil {
+			t.Fatal(err)
+		}
+		if err := e.Offer(ctx, b, share.OfferOptions{Meta: sharetest.Meta(i)}); err != nil {
+			t.Fatal(err)
+		}
+		var wg sync.WaitGroup
+		errs := make(chan error, 3)
+		for range 3 {
+			wg.Go(func() { errs <- b.WaitOn(ctx, nil) })
+		}
+		wg.Wait()
+		close(errs)
+		for err := range errs {
+			if err != nil {
+				t.Fatalf("batch %d: WaitOn: %v", i, err)
+			}
+		}
+	}
+	shutdown(t, e)
+	var rep sharetest.ConsumerReport
+	c.Report(&rep)
+	c.Wait()
+	checkConsumer(t, &rep, batches)
+}
