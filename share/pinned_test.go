@@ -3,36 +3,17 @@
 package share_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/seed743c36cf/cudashare/internal/sharetest"
+	"github.com/seed743c36cf/cudashare/internal/testutil"
 	"github.com/seed743c36cf/cudashare/share"
 )
-
-// syncLog collects log text written from several goroutines.
-type syncLog struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (w *syncLog) Write(p []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.buf.Write(p)
-}
-
-func (w *syncLog) has(s string) bool {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return strings.Contains(w.buf.String(), s)
-}
 
 // TestPinnedWarned: with legacy IPC, a consumer lost without a goodbye
 // keeps what it holds until its process (here, this one) exits. Holding
@@ -43,7 +24,7 @@ func TestPinnedWarned(t *testing.T) {
 	for _, kind := range []string{"ring", "arena"} {
 		t.Run(kind, func(t *testing.T) {
 			env := sharetest.Setup(t)
-			log := &syncLog{}
+			log := &testutil.SyncBuffer{}
 			ctx := sharetest.Ctx(t)
 			e, err := share.NewExporter(ctx, env.Ctx, sharetest.SocketPath(t), share.ExporterConfig{
 				Sharing: share.SharingIPC, LeaseTimeout: 400 * time.Millisecond,
@@ -90,7 +71,7 @@ func TestPinnedWarned(t *testing.T) {
 			if kind == "arena" {
 				want = "hold everything in use of an arena"
 			}
-			waitUntil(t, "the warning", func() bool { return log.has(want) })
+			waitUntil(t, "the warning", func() bool { return strings.Contains(log.String(), want) })
 			select {
 			case err := <-waited:
 				t.Fatalf("the wait for the lost consumer's buffers ended: %v", err)
@@ -100,8 +81,8 @@ func TestPinnedWarned(t *testing.T) {
 			if err := <-waited; !errors.Is(err, context.Canceled) {
 				t.Fatalf("the wait, cancelled: %v", err)
 			}
-			if !log.has("holders=") {
-				t.Fatalf("the warning does not name the consumers held for:\n%s", log.buf.String())
+			if !strings.Contains(log.String(), "holders=") {
+				t.Fatalf("the warning does not name the consumers held for:\n%s", log.String())
 			}
 		})
 	}

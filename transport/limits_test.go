@@ -9,11 +9,12 @@ import (
 	"log/slog"
 	"net"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/seed743c36cf/cudashare/internal/testutil"
 )
 
 // readLimitError reads the error message a refused connection gets and
@@ -279,29 +280,11 @@ func TestOtherNamespacePeersShareHalf(t *testing.T) {
 	}
 }
 
-// lockedLog collects log output written from several goroutines.
-type lockedLog struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (w *lockedLog) Write(p []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return w.buf.Write(p)
-}
-
-func (w *lockedLog) lines(substr string) int {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	return strings.Count(w.buf.String(), substr)
-}
-
 // TestRefusalsLogLimited refuses a flood of connections from one process:
 // every one is told why, but the listener's log gets a burst of warnings
 // and then about one a second, not one per connection.
 func TestRefusalsLogLimited(t *testing.T) {
-	log := &lockedLog{}
+	log := &testutil.SyncBuffer{}
 	cfg := testConfig(RoleProducer, log)
 	cfg.HandshakeTimeout = time.Minute
 	cfg.MaxHandshakesPerPeer = 2
@@ -317,7 +300,7 @@ func TestRefusalsLogLimited(t *testing.T) {
 		readLimitError(t, c, "MaxHandshakesPerPeer")
 		c.Close()
 	}
-	refused := log.lines("refused connection")
+	refused := strings.Count(log.String(), "refused connection")
 	if most := logBurst + 1 + int(time.Since(start).Seconds())*logPerSecond; refused == 0 || refused > most {
 		t.Fatalf("%d refusals logged %d warnings, want 1 to %d", flood, refused, most)
 	}
