@@ -247,106 +247,20 @@ func testStressWaits(t *testing.T, sharing share.Sharing, burst int) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	run := 1500 * time.Millisecond
-	stopAt := time.Now().Add(run)
+	s := newStressRun(t, e, ctx)
 	var wg sync.WaitGroup
-	var hung atomic.Bool
-	fail := func(what string, err error) {
-		if errors.Is(err, context.DeadlineExceeded) && hung.CompareAndSwap(false, true) {
-			dumpGoroutines(t)
-		}
-		t.Errorf("%s: %v", what, err)
-	}
-	// opCtx: a deadline that a hang reaches, or, at random, a short one
-	// (cancel) whose end is expected.
-	opCtx := func(rng *rand.Rand) (context.Context, context.CancelFunc, bool) {
-		if rng.IntN(8) == 0 {
-			c, cancel := context.WithTimeout(ctx, time.Duration(rng.IntN(2000))*time.Microsecond)
-			return c, cancel, true
-		}
-		c, cancel := context.WithTimeout(ctx, opDeadline)
-		return c, cancel, false
-	}
-	ok := func(err error, short bool) bool {
-		return err == nil || short && (errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled))
-	}
-	var ops atomic.Int64
-	// Arena: Alloc, Offer, (WaitOn), Free.
 	for g := range 2 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			rng := rand.New(rand.NewPCG(uint64(g), 1))
-			for time.Now().Before(stopAt) && !t.Failed() {
-				c, cancel, short := opCtx(rng)
-				b, err := a.Alloc(c, 4096*uint64(1+rng.IntN(2)))
-				cancel()
-				if !ok(err, short) {
-					fail("Alloc", err)
-					return
-				}
-				if b == nil {
-					continue
-				}
-				c, cancel, short = opCtx(rng)
-				err = e.Offer(c, b, share.OfferOptions{})
-				cancel()
-				if !ok(err, short) {
-					fail("Offer (arena)", err)
-					b.Free()
-					return
-				}
-				if err == nil && rng.IntN(2) == 0 {
-					c, cancel, short = opCtx(rng)
-					err = b.WaitOn(c, nil)
-					cancel()
-					if !ok(err, short) {
-						fail("WaitOn", err)
-						b.Free()
-						return
-					}
-				}
-				b.Free()
-				ops.Add(1)
-			}
-		}()
+		s.arenaLoop(&wg, g, func(c context.Context, rng *rand.Rand) (*share.Buffer, error) {
+			return a.Alloc(c, 4096*uint64(1+rng.IntN(2)))
+		})
 	}
-	// Ring: Acquire, Offer.
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		rng := rand.New(rand.NewPCG(99, 1))
-		for time.Now().Before(stopAt) && !t.Failed() {
-			c, cancel, short := opCtx(rng)
-			b, err := r.Acquire(c)
-			cancel()
-			if !ok(err, short) {
-				fail("Acquire", err)
-				return
-			}
-			if b == nil {
-				continue
-			}
-			c, cancel, short = opCtx(rng)
-			err = e.Offer(c, b, share.OfferOptions{})
-			cancel()
-			if !ok(err, short) {
-				fail("Offer (ring)", err)
-				b.Free()
-				return
-			}
-			if err != nil {
-				b.Free()
-			}
-			ops.Add(1)
-		}
-	}()
+	s.ringLoop(&wg, r)
 	// A second consumer comes and goes, with a goodbye.
 	wg.Add(1)
 	go func() {
 		defer wg.Done()
 		i := uint64(0)
-		for time.Now().Before(stopAt) && !t.Failed() {
+		for s.running() {
 			i++
 			c2 := startIn(t, e, 2, 1, i)
 			time.Sleep(time.Duration(rand.IntN(20)) * time.Millisecond)
@@ -355,12 +269,135 @@ func testStressWaits(t *testing.T, sharing share.Sharing, burst int) {
 		}
 	}()
 	wg.Wait()
-	t.Logf("%d producer rounds, main consumer %d offers", ops.Load(), main.n.Load())
+	t.Logf("%d producer rounds, main consumer %d offers", s.ops.Load(), main.n.Load())
 	main.stop(false)
 	if main.err != nil {
 		t.Errorf("main consumer: %v", main.err)
 	}
 	e.Close()
+}
+
+// stressRun is the producer side of a stress test, for 1.5 s: goroutines
+// that take arena buffers, offer them, sometimes wait for them, and free
+// them, and one that acquires and offers ring buffers. Each operation runs
+// under a deadline that only a hang reaches or, at random, a short one
+// whose end is expected.
+type stressRun struct {
+	t      *testing.T
+	e      *share.Exporter
+	ctx    context.Context
+	stopAt time.Time
+	hung   atomic.Bool
+	ops    atomic.Int64
+	// tolerate are errors that the test causes on purpose (consumers lost
+	// with VMM: ErrAbandoned, ErrRetired).
+	tolerate []error
+}
+
+func newStressRun(t *testing.T, e *share.Exporter, ctx context.Context, tolerate ...error) *stressRun {
+	return &stressRun{t: t, e: e, ctx: ctx, stopAt: time.Now().Add(1500 * time.Millisecond), tolerate: tolerate}
+}
+
+func (s *stressRun) running() bool { return time.Now().Before(s.stopAt) && !s.t.Failed() }
+
+func (s *stressRun) fail(what string, err error) {
+	if errors.Is(err, context.DeadlineExceeded) && s.hung.CompareAndSwap(false, true) {
+		dumpGoroutines(s.t)
+	}
+	s.t.Errorf("%s: %v", what, err)
+}
+
+// opCtx is an operation's context; short: its end is expected.
+func (s *stressRun) opCtx(rng *rand.Rand) (c context.Context, cancel context.CancelFunc, short bool) {
+	if rng.IntN(8) == 0 {
+		c, cancel := context.WithTimeout(s.ctx, time.Duration(rng.IntN(2000))*time.Microsecond)
+		return c, cancel, true
+	}
+	c, cancel = context.WithTimeout(s.ctx, opDeadline)
+	return c, cancel, false
+}
+
+func (s *stressRun) ok(err error, short bool) bool {
+	if err == nil || short && (errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled)) {
+		return true
+	}
+	for _, x := range s.tolerate {
+		if errors.Is(err, x) {
+			return true
+		}
+	}
+	return false
+}
+
+// arenaLoop runs goroutine g: alloc (nil, nil: try again), Offer,
+// sometimes WaitOn, Free.
+func (s *stressRun) arenaLoop(wg *sync.WaitGroup, g int, alloc func(context.Context, *rand.Rand) (*share.Buffer, error)) {
+	wg.Go(func() {
+		rng := rand.New(rand.NewPCG(uint64(g), 1))
+		for s.running() {
+			c, cancel, short := s.opCtx(rng)
+			b, err := alloc(c, rng)
+			cancel()
+			if !s.ok(err, short) {
+				s.fail("Alloc", err)
+				return
+			}
+			if b == nil {
+				continue
+			}
+			c, cancel, short = s.opCtx(rng)
+			err = s.e.Offer(c, b, share.OfferOptions{})
+			cancel()
+			if !s.ok(err, short) {
+				s.fail("Offer (arena)", err)
+				b.Free()
+				return
+			}
+			if err == nil && rng.IntN(2) == 0 {
+				c, cancel, short = s.opCtx(rng)
+				err = b.WaitOn(c, nil)
+				cancel()
+				if !s.ok(err, short) {
+					s.fail("WaitOn", err)
+					b.Free()
+					return
+				}
+			}
+			b.Free()
+			s.ops.Add(1)
+		}
+	})
+}
+
+// ringLoop runs a goroutine that acquires r's buffers and offers them.
+func (s *stressRun) ringLoop(wg *sync.WaitGroup, r *share.Ring) {
+	wg.Go(func() {
+		rng := rand.New(rand.NewPCG(99, 1))
+		for s.running() {
+			c, cancel, short := s.opCtx(rng)
+			b, err := r.Acquire(c)
+			cancel()
+			if !s.ok(err, short) {
+				s.fail("Acquire", err)
+				return
+			}
+			if b == nil {
+				continue
+			}
+			c, cancel, short = s.opCtx(rng)
+			err = s.e.Offer(c, b, share.OfferOptions{})
+			cancel()
+			if !s.ok(err, short) {
+				s.fail("Offer (ring)", err)
+				b.Free()
+				return
+			}
+			if err != nil {
+				b.Free()
+			}
+			s.ops.Add(1)
+		}
+	})
 }
 
 // TestStressChurnVMM: as TestStressProducerWaits, with VMM, while the main
@@ -401,114 +438,33 @@ func testStressChurn(t *testing.T, writeTimeout time.Duration) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	stopAt := time.Now().Add(1500 * time.Millisecond)
+	s := newStressRun(t, e, ctx, share.ErrAbandoned, share.ErrRetired)
 	var wg sync.WaitGroup
-	var hung atomic.Bool
-	fail := func(what string, err error) {
-		if errors.Is(err, context.DeadlineExceeded) && hung.CompareAndSwap(false, true) {
-			dumpGoroutines(t)
-		}
-		t.Errorf("%s: %v", what, err)
-	}
-	opCtx := func(rng *rand.Rand) (context.Context, context.CancelFunc, bool) {
-		if rng.IntN(8) == 0 {
-			c, cancel := context.WithTimeout(ctx, time.Duration(rng.IntN(2000))*time.Microsecond)
-			return c, cancel, true
-		}
-		c, cancel := context.WithTimeout(ctx, opDeadline)
-		return c, cancel, false
-	}
-	ok := func(err error, short bool) bool {
-		return err == nil || errors.Is(err, share.ErrAbandoned) ||
-			short && (errors.Is(err, context.DeadlineExceeded) || errors.Is(err, context.Canceled))
-	}
-	var ops, arenas atomic.Int64
+	var arenas atomic.Int64
 	for g := range 2 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			rng := rand.New(rand.NewPCG(uint64(g), 1))
-			for time.Now().Before(stopAt) && !t.Failed() {
+		s.arenaLoop(&wg, g, func(c context.Context, rng *rand.Rand) (*share.Buffer, error) {
+			amu.Lock()
+			cur := a
+			amu.Unlock()
+			b, err := cur.Alloc(c, chunk*uint64(1+rng.IntN(2)))
+			if errors.Is(err, share.ErrAbandoned) || errors.Is(err, share.ErrRetired) {
+				// Given up to lost consumers: a new arena takes its place.
 				amu.Lock()
-				cur := a
+				if a == cur {
+					a = newArena()
+					arenas.Add(1)
+					go cur.Retire(ctx)
+				}
 				amu.Unlock()
-				c, cancel, short := opCtx(rng)
-				b, err := cur.Alloc(c, chunk*uint64(1+rng.IntN(2)))
-				cancel()
-				if errors.Is(err, share.ErrAbandoned) || errors.Is(err, share.ErrRetired) {
-					amu.Lock()
-					if a == cur {
-						a = newArena()
-						arenas.Add(1)
-						go cur.Retire(ctx)
-					}
-					amu.Unlock()
-					continue
-				}
-				if !ok(err, short) {
-					fail("Alloc", err)
-					return
-				}
-				if b == nil {
-					continue
-				}
-				c, cancel, short = opCtx(rng)
-				err = e.Offer(c, b, share.OfferOptions{})
-				cancel()
-				if !ok(err, short) && !errors.Is(err, share.ErrRetired) {
-					fail("Offer (arena)", err)
-					b.Free()
-					return
-				}
-				if err == nil && rng.IntN(2) == 0 {
-					c, cancel, short = opCtx(rng)
-					err = b.WaitOn(c, nil)
-					cancel()
-					if !ok(err, short) {
-						fail("WaitOn", err)
-						b.Free()
-						return
-					}
-				}
-				b.Free()
-				ops.Add(1)
+				return nil, nil
 			}
-		}()
+			return b, err
+		})
 	}
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		rng := rand.New(rand.NewPCG(99, 1))
-		for time.Now().Before(stopAt) && !t.Failed() {
-			c, cancel, short := opCtx(rng)
-			b, err := r.Acquire(c)
-			cancel()
-			if !ok(err, short) {
-				fail("Acquire", err)
-				return
-			}
-			if b == nil {
-				continue
-			}
-			c, cancel, short = opCtx(rng)
-			err = e.Offer(c, b, share.OfferOptions{})
-			cancel()
-			if !ok(err, short) && !errors.Is(err, share.ErrRetired) {
-				fail("Offer (ring)", err)
-				b.Free()
-				return
-			}
-			if err != nil {
-				b.Free()
-			}
-			ops.Add(1)
-		}
-	}()
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
+	s.ringLoop(&wg, r)
+	wg.Go(func() {
 		i := uint64(0)
-		for time.Now().Before(stopAt) && !t.Failed() {
+		for s.running() {
 			i++
 			c2 := startIn(t, e, 2, 4, i, func(c *inConsumer) {
 				if writeTimeout > 0 && i%2 == 0 {
@@ -522,10 +478,9 @@ func testStressChurn(t *testing.T, writeTimeout time.Duration) {
 			c2.stop(rand.IntN(2) == 0)
 			time.Sleep(time.Duration(rand.IntN(20)) * time.Millisecond)
 		}
-	}()
+	})
 	wg.Wait()
-	s := e.Stats()
-	t.Logf("%d producer rounds, %d arenas, main consumer %d offers; stats %+v", ops.Load(), arenas.Load(), main.n.Load(), s)
+	t.Logf("%d producer rounds, %d arenas, main consumer %d offers; stats %+v", s.ops.Load(), arenas.Load(), main.n.Load(), e.Stats())
 	main.stop(false)
 	e.Close()
 }
