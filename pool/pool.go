@@ -177,9 +177,10 @@ func (p *Pool) finish() {
 	if err == nil {
 		err = p.ctx.Err()
 	}
-	if err == nil {
-		// The workers saw their context end, and left the cause to
-		// whoever ended it: the importer.
+	if p.ctx.Err() == nil && p.lost.Err() != nil && (err == nil || errors.Is(err, context.Canceled)) {
+		// The workers saw their context end and left the cause to
+		// whoever ended it: the importer. A handler that returned its
+		// context's error (context.Canceled) says no more than that.
 		err = context.Cause(p.lost)
 	}
 	defer p.lose(nil)

@@ -16,6 +16,7 @@ import (
 	"github.com/seed743c36cf/cudashare/internal/sharetest"
 	"github.com/seed743c36cf/cudashare/pool"
 	"github.com/seed743c36cf/cudashare/share"
+	"github.com/seed743c36cf/cudashare/transport"
 )
 
 // TestMain runs the tests, or a producer routine when the test binary is
@@ -180,30 +181,138 @@ func TestProducerGone(t *testing.T) {
 
 // TestProducerGoneEndsHandlers: every worker holds a lease in a handler
 // that waits for its context, so none is in Next to see the producer die:
-// the handlers' context must end with it, and Run return ErrProducerGone.
+// the handlers' context must end with it, and Run return ErrProducerGone,
+// whether the handlers then return nil or, as is usual, ctx.Err().
 func TestProducerGoneEndsHandlers(t *testing.T) {
+	for _, ret := range []string{"nil", "ctx.Err"} {
+		t.Run(ret, func(t *testing.T) {
+			env := sharetest.Setup(t)
+			p, im := dial(t, env, 4)
+			const workers = 2
+			var in, cancelled atomic.Int32
+			err := pool.Run(sharetest.Ctx(t), im, workers, func(ctx context.Context, l *share.Lease) error {
+				if in.Add(1) == workers {
+					p.Kill()
+				}
+				select {
+				case <-ctx.Done():
+					cancelled.Add(1)
+					if ret == "ctx.Err" {
+						return ctx.Err()
+					}
+				case <-time.After(10 * time.Second):
+				}
+				return nil
+			})
+			if !errors.Is(err, share.ErrProducerGone) || errors.Is(err, io.EOF) {
+				t.Fatalf("Run: %v, want ErrProducerGone without a goodbye", err)
+			}
+			if n := cancelled.Load(); n != workers {
+				t.Fatalf("%d of %d handlers saw their context end when the producer died", n, workers)
+			}
+			checkImporter(t, im)
+		})
+	}
+}
+
+// inproc starts an exporter in this process with cfg, a ring of 4, and an
+// importer connected to it.
+func inproc(t *testing.T, env *sharetest.Env, cfg share.ExporterConfig, credits uint32) (*share.Exporter, *share.Ring, *share.Importer) {
+	t.Helper()
+	path := sharetest.SocketPath(t)
+	cfg.Logger = sharetest.Logger(t)
+	e, err := share.NewExporter(sharetest.Ctx(t), env.Ctx, path, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { e.Close() })
+	r, err := e.NewRing(4, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	im, err := share.Dial(sharetest.Ctx(t), path, env.Ctx, share.ImporterConfig{Credits: credits, Logger: sharetest.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { im.Close() })
+	if err := e.WaitConsumers(sharetest.Ctx(t), 1); err != nil {
+		t.Fatal(err)
+	}
+	return e, r, im
+}
+
+// offerN offers n of r's buffers.
+func offerN(t *testing.T, e *share.Exporter, r *share.Ring, n int) {
+	for i := range n {
+		b, err := r.Acquire(sharetest.Ctx(t))
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		if err := e.Offer(sharetest.Ctx(t), b, share.OfferOptions{Meta: sharetest.Meta(uint64(i))}); err != nil {
+			t.Error(err)
+			return
+		}
+	}
+}
+
+// TestDroppedEndsHandlers: dropped for a lease held past the producer's
+// lease timeout, the handlers see their context end, and Run returns the
+// drop, whatever they return.
+func TestDroppedEndsHandlers(t *testing.T) {
+	for _, ret := range []string{"nil", "ctx.Err"} {
+		t.Run(ret, func(t *testing.T) {
+			env := sharetest.Setup(t)
+			e, r, im := inproc(t, env, share.ExporterConfig{LeaseTimeout: 300 * time.Millisecond}, 4)
+			go offerN(t, e, r, 2)
+			var cancelled atomic.Int32
+			err := pool.Run(sharetest.Ctx(t), im, 2, func(ctx context.Context, l *share.Lease) error {
+				select {
+				case <-ctx.Done():
+					cancelled.Add(1)
+					if ret == "ctx.Err" {
+						return ctx.Err()
+					}
+				case <-time.After(10 * time.Second):
+				}
+				return nil
+			})
+			if !errors.Is(err, share.ErrProducerGone) || !errors.Is(err, transport.ErrTimeout) || errors.Is(err, io.EOF) {
+				t.Fatalf("Run: %v, want the drop for a timeout (ErrProducerGone, ErrTimeout)", err)
+			}
+			if n := cancelled.Load(); n != 2 {
+				t.Fatalf("%d of 2 handlers saw their context end at the drop", n)
+			}
+		})
+	}
+}
+
+// TestGoodbyeKeepsHandlers: a goodbye while every handler holds a lease
+// does not end their context (the producer's Shutdown waits for them), and
+// Run returns nil.
+func TestGoodbyeKeepsHandlers(t *testing.T) {
 	env := sharetest.Setup(t)
-	p, im := dial(t, env, 4)
-	const workers = 2
+	e, r, im := inproc(t, env, share.ExporterConfig{}, 4)
+	offerN(t, e, r, 2)
 	var in, cancelled atomic.Int32
-	err := pool.Run(sharetest.Ctx(t), im, workers, func(ctx context.Context, l *share.Lease) error {
-		if in.Add(1) == workers {
-			p.Kill()
+	shut := make(chan error, 1)
+	err := pool.Run(sharetest.Ctx(t), im, 2, func(ctx context.Context, l *share.Lease) error {
+		if in.Add(1) == 2 {
+			go func() { shut <- e.Shutdown(sharetest.Ctx(t)) }()
 		}
 		select {
 		case <-ctx.Done():
 			cancelled.Add(1)
-		case <-time.After(10 * time.Second):
+		case <-time.After(500 * time.Millisecond):
 		}
 		return nil
 	})
-	if !errors.Is(err, share.ErrProducerGone) || errors.Is(err, io.EOF) {
-		t.Fatalf("Run: %v, want ErrProducerGone without a goodbye", err)
+	if err != nil || cancelled.Load() != 0 {
+		t.Fatalf("Run: %v, %d handlers cancelled at a goodbye", err, cancelled.Load())
 	}
-	if n := cancelled.Load(); n != workers {
-		t.Fatalf("%d of %d handlers saw their context end when the producer died", n, workers)
+	if err := <-shut; err != nil {
+		t.Fatal(err)
 	}
-	checkImporter(t, im)
 }
 
 // TestCloseBeforeFree is the cross-process ordering end to end: the
