@@ -137,6 +137,9 @@ def consume(args, out):
     except KeyboardInterrupt:
         rep["end"] = "signal"
     finally:
+        # From here on a signal no longer interrupts: the goodbye and the
+        # report must not be cut short.
+        _ending[0] = True
         st = c.stats()
         c.close()
     rep["mappings"] = st.get("mappings", 0)
@@ -161,7 +164,12 @@ def consume(args, out):
     return rep
 
 
+_ending = [False]  # set once the run ends: later signals are ignored
+
+
 def _interrupt(signum, frame):
+    if _ending[0]:
+        return
     raise KeyboardInterrupt("signal %d" % signum)
 
 
@@ -184,6 +192,7 @@ def main(argv=None):
     # the mappings closed, goodbye said, and the report printed (exit 0, end
     # "signal"), as the Go consumer does.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     rep = consume(a, sys.stdout)
     sys.stdout.write(json.dumps(rep, separators=(",", ":")) + "\n")
     if rep.get("error"):

@@ -50,6 +50,11 @@ def _close_all(reason):
 atexit.register(_close_all, "interpreter exit")
 
 
+# _STOP_WAIT bounds how long an interrupted run waits for its workers to
+# finish the lease in hand.
+_STOP_WAIT = 10.0
+
+
 def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeout=10.0,
             frame_timeout=10.0, handle_sigterm=False, wait=0.0):
     """Connects to the producer listening at path and returns a Consumer.
@@ -301,7 +306,15 @@ class Consumer(Reader, Releases):
         lock = threading.Lock()
         stop = threading.Event()
 
-        def work():
+        ended = [threading.Event() for _ in range(workers)]
+
+        def work(i):
+            try:
+                loop()
+            finally:
+                ended[i].set()
+
+        def loop():
             while not stop.is_set():
                 try:
                     lease = self.next(timeout=0.2)
@@ -327,11 +340,29 @@ class Consumer(Reader, Releases):
                     if count and done[0] >= count:
                         stop.set()
 
-        ts = [threading.Thread(target=work, name="cudashare-worker-%d" % i, daemon=True) for i in range(workers)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
+        ts = [threading.Thread(target=work, args=(i,), name="cudashare-worker-%d" % i, daemon=True)
+              for i in range(workers)]
+        started = 0
+        try:
+            for t in ts:
+                # Counted first: start() runs the thread and then waits for
+                # it, and a signal may interrupt that wait.
+                started += 1
+                t.start()
+            for t in ts:
+                t.join()
+        except BaseException:
+            # Interrupted in the caller's thread (KeyboardInterrupt, or a
+            # signal handler's exception): stop the workers and wait for
+            # them, so that none reads a lease while the caller closes the
+            # mappings. Not with join: in CPython 3.11 a join interrupted
+            # this way marks the thread stopped, and a second returns at
+            # once. Bounded, for a worker stuck in fn.
+            stop.set()
+            deadline = time.monotonic() + _STOP_WAIT
+            for ev in ended[:started]:
+                ev.wait(max(0.0, deadline - time.monotonic()))
+            raise
         if first:
             raise first[0]
         return done[0]

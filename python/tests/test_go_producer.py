@@ -145,6 +145,67 @@ def test_cli_sigterm(go_producer):
     assert code == 0 and prep["consumers_lost"] == 0 and prep["allocations_left"] == 0, (prep, p.err)
 
 
+def _cli_patched(p, patch, *args):
+    """Runs the CLI's main() in a child with `patch` applied first, to land a
+    signal at an exact moment."""
+    code = textwrap.dedent("""
+        import os, signal, sys, threading, time
+        import cudashare, cudashare.backends, cudashare.consumer
+        from cudashare import __main__ as m
+    """) + textwrap.dedent(patch) + textwrap.dedent("""
+        sys.exit(m.main(["consume", "--socket", %r, "--wait", "5"] + %r))
+    """ % (p.path, list(args)))
+    return subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], cwd=PY, capture_output=True,
+                          text=True, timeout=30, env=dict(os.environ, CUDASHARE_DRIVER="sim"))
+
+
+def test_cli_sigterm_while_a_worker_reads(go_producer):
+    """SIGTERM while a worker thread copies a batch out of its mapping: the
+    main thread must stop the workers before it closes the mappings (it used
+    to unmap under the copy: SIGSEGV)."""
+    p = go_producer("-size", "64KiB")
+    cli = _cli_patched(p, """
+        orig = cudashare.backends.SimBackend.copy_to_host
+        fired = []
+        unmapped = threading.Event()
+        def slow_copy(self, *a, **k):
+            if not fired:
+                fired.append(1)
+                os.kill(os.getpid(), signal.SIGTERM)
+                unmapped.wait(1)  # a long copy under way when the run ends
+            return orig(self, *a, **k)
+        cudashare.backends.SimBackend.copy_to_host = slow_copy
+        oclose = cudashare.backends.SimBackend.close
+        def close(self, m):
+            oclose(self, m)
+            unmapped.set()
+            time.sleep(0.2)
+        cudashare.backends.SimBackend.close = close
+    """, "--verify", "full", "--workers", "1")
+    p.kill(signal.SIGINT)
+    assert cli.returncode == 0, (cli.returncode, cli.stderr[-4000:])
+    assert json.loads(cli.stdout.strip().splitlines()[-1])["end"] == "signal"
+
+
+def test_cli_sigterm_during_close(go_producer):
+    """SIGTERM while the run's end closes the connection (a process group
+    signalled at the producer's goodbye, say): the goodbye and the report
+    must not be cut short."""
+    p = go_producer("-size", "64KiB", "-count", "5")
+    cli = _cli_patched(p, """
+        orig = cudashare.consumer.Consumer.close
+        def close(self, *a, **k):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            return orig(self, *a, **k)
+        cudashare.consumer.Consumer.close = close
+    """)
+    assert cli.returncode == 0, (cli.returncode, cli.stderr[-4000:])
+    assert json.loads(cli.stdout.strip().splitlines()[-1])["handoffs"] == 5
+    rep, code = p.wait()
+    assert code == 0 and rep["consumers_lost"] == 0, (rep, p.err)
+
+
 def test_vmm_data_path(go_producer, gobin):
     """Needs the producer's VMM lending (-sharing vmm)."""
     if not producer_has_sharing(gobin):
