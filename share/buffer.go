@@ -605,6 +605,9 @@ func (a *Arena) Alloc(ctx context.Context, size uint64) (*Buffer, error) {
 				a.lost = append(a.lost, span{b.off, b.span})
 				e.log.Warn("share: an arena range stays out of use: waiting for a consumer's stream-ordered release failed",
 					"alloc", b.rec.id, "offset", b.off, "bytes", b.span, "lost", a.lostBytes(), "arena", b.rec.size, "err", err)
+				// Other Allocs waiting for room look again: this one may
+				// leave some of them ErrAbandoned, as abandonLocked does.
+				e.notifyLocked(&a.room)
 			default:
 				// Other Allocs waiting for room may fit in what this one
 				// leaves.

@@ -29,7 +29,9 @@ type pinnedHolders struct {
 
 // warnPinnedLocked warns for each ring whose every buffer, and each arena
 // with an Alloc waiting whose every range in use, is held by consumers
-// that are lost and whose processes live. mu held.
+// that are lost and whose processes live; not for one retired. It runs on
+// the lease janitor's ticks (LeaseTimeout/8): with no lease timeout, it
+// does not run. mu held.
 func (e *Exporter) warnPinnedLocked(now time.Time) {
 	var held map[any]*pinnedHolders
 	for c := range e.conns {
@@ -67,7 +69,7 @@ func (e *Exporter) warnPinnedLocked(now time.Time) {
 	for key, h := range held {
 		switch x := key.(type) {
 		case *Ring:
-			if len(h.bufs) < len(x.bufs) || len(x.free) > 0 || now.Sub(x.pinnedWarned) < pinnedWarnEvery {
+			if x.deadClosed || len(h.bufs) < len(x.bufs) || len(x.free) > 0 || now.Sub(x.pinnedWarned) < pinnedWarnEvery {
 				continue
 			}
 			x.pinnedWarned = now
@@ -75,7 +77,7 @@ func (e *Exporter) warnPinnedLocked(now time.Time) {
 				"alloc", x.rec.id, "buffers", len(x.bufs), "holders", h.who)
 		case *Arena:
 			inUse := x.rec.size - x.spans.available() - x.lostBytes()
-			if x.waiting == 0 || h.bytes < inUse || now.Sub(x.pinnedWarned) < pinnedWarnEvery {
+			if x.rec.state != recLive || x.waiting == 0 || h.bytes < inUse || now.Sub(x.pinnedWarned) < pinnedWarnEvery {
 				continue
 			}
 			x.pinnedWarned = now
