@@ -209,7 +209,7 @@ func explainEnd(path string, err error, batches uint64) (end string, _ error) {
 	case err == nil || producerEnd(err):
 		return "producer said goodbye", nil
 	case droppedForTimeout(err):
-		return "dropped: timeout", fail(ExitDropped, err, "the producer dropped this consumer for a timeout after %d batches: %s (release each batch within the producer's -lease-timeout)", batches, remoteText(err))
+		return "dropped: timeout", fail(ExitDropped, err, "the producer dropped this consumer for a timeout after %d batches: %s (release each batch within the producer's -lease-timeout, and read its messages within its -write-timeout)", batches, remoteText(err))
 	case isRemote(err):
 		return "dropped", fail(ExitDropped, err, "the producer at %s dropped this consumer with an error after %d batches", path, batches)
 	case protocolBroken(err):
