@@ -307,13 +307,19 @@ func TestRefusalsLogLimited(t *testing.T) {
 	for _, c := range keep {
 		c.Close()
 	}
+	// What was held back is counted by the time the listener is closed.
+	l.Close()
+	if !strings.Contains(log.String(), "suppressed=") {
+		t.Fatalf("the records held back are counted nowhere:\n%s", log.String())
+	}
 }
 
 // TestRateLimit: a burst passes, then one a second, and the record that
 // passes after some were held back says how many.
 func TestRateLimit(t *testing.T) {
 	var out bytes.Buffer
-	lg := limitLogger(slog.New(slog.NewTextHandler(&out, nil)))
+	lg, lim := limitLogger(slog.New(slog.NewTextHandler(&out, nil)))
+	defer lim.close()
 	h := lg.Handler()
 	t0 := time.Date(2026, 11, 26, 0, 0, 0, 0, time.UTC)
 	emit := func(at time.Time, msg string) {
@@ -342,5 +348,10 @@ func TestRateLimit(t *testing.T) {
 	}
 	if n := strings.Count(out.String(), "msg=copy"); n != 1 {
 		t.Fatalf("a copy with attributes passed %d records with one and a half tokens left, want 1:\n%s", n, out.String())
+	}
+	// No record comes after the 4 held back: closing the limit says so.
+	lim.close()
+	if !strings.Contains(out.String(), "held back") || !strings.Contains(out.String(), "suppressed=4") {
+		t.Fatalf("closing the limit does not count the 4 records held back:\n%s", out.String())
 	}
 }

@@ -34,15 +34,16 @@ import (
 // until Conn.Close (MaxConnsPerPeer, MaxConns). A connection past a limit
 // is sent an error matching ErrLimit that names the limit, and closed.
 type Listener struct {
-	cfg    Config
-	ln     *net.UnixListener
-	path   string
-	ino    uint64 // the socket file's inode: Close removes path only while it is this one
-	conns  chan *Conn
-	ctx    context.Context // ends with Close
-	cancel context.CancelFunc
-	wg     sync.WaitGroup
-	once   sync.Once
+	cfg      Config
+	logLimit *rateLimit // cfg.Logger's limit (ratelog.go)
+	ln       *net.UnixListener
+	path     string
+	ino      uint64 // the socket file's inode: Close removes path only while it is this one
+	conns    chan *Conn
+	ctx      context.Context // ends with Close
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup
+	once     sync.Once
 
 	mu         sync.Mutex
 	pending    []*pendingHandshake // oldest first
@@ -83,13 +84,15 @@ func Listen(ctx context.Context, path string, cfg Config) (*Listener, error) {
 	}
 	// What the listener and its connections log comes from peers, as
 	// fast as they connect: limited (ratelog.go).
-	cfg.Logger = limitLogger(cfg.Logger)
+	var logLimit *rateLimit
+	cfg.Logger, logLimit = limitLogger(cfg.Logger)
 	l := &Listener{
-		cfg:   cfg,
-		ln:    ln,
-		path:  path,
-		ino:   ino,
-		conns: make(chan *Conn),
+		cfg:      cfg,
+		logLimit: logLimit,
+		ln:       ln,
+		path:     path,
+		ino:      ino,
+		conns:    make(chan *Conn),
 
 		pendingPer: make(map[int32]int),
 		openPer:    make(map[int32]int),
@@ -226,6 +229,7 @@ func (l *Listener) Close() error {
 		}
 		l.ln.Close()
 		l.wg.Wait()
+		l.logLimit.close()
 	})
 	return nil
 }

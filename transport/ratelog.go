@@ -25,18 +25,56 @@ type limitedHandler struct {
 	l *rateLimit
 }
 
-// rateLimit is a token bucket on the records' own times.
+// rateLimit is a token bucket on the records' own times. Records held
+// back are counted on the next that passes or, if none comes (the flood
+// ended), by a record of their own a little later (flush), so that no
+// count is lost.
 type rateLimit struct {
 	mu         sync.Mutex
 	tokens     float64
 	last       time.Time
 	suppressed int
+	base       slog.Handler // where flush writes
+	timer      *time.Timer  // the flush armed, if any
+	closed     bool         // no flush is armed any more
 }
 
 // limitLogger returns a logger that writes to l's handler what the limit
-// allows.
-func limitLogger(l *slog.Logger) *slog.Logger {
-	return slog.New(&limitedHandler{h: l.Handler(), l: &rateLimit{tokens: logBurst}})
+// allows, and the limit, to close with its user.
+func limitLogger(l *slog.Logger) (*slog.Logger, *rateLimit) {
+	r := &rateLimit{tokens: logBurst, base: l.Handler()}
+	return slog.New(&limitedHandler{h: l.Handler(), l: r}), r
+}
+
+// close says at once how many records were held back, and arms no flush
+// any more: nothing of it outlives its listener.
+func (r *rateLimit) close() {
+	r.mu.Lock()
+	r.closed = true
+	if r.timer != nil {
+		r.timer.Stop()
+	}
+	r.mu.Unlock()
+	r.flush()
+}
+
+// flushAfter is how long after the first record held back flush looks
+// whether a later record has counted it.
+const flushAfter = 2 * time.Second / logPerSecond
+
+// flush writes how many records were held back since the last that
+// passed, if no record has passed since to say so.
+func (r *rateLimit) flush() {
+	r.mu.Lock()
+	n := r.suppressed
+	r.suppressed, r.timer = 0, nil
+	r.mu.Unlock()
+	if n == 0 {
+		return
+	}
+	rec := slog.NewRecord(time.Now(), slog.LevelWarn, "transport: log records held back (a flood of peers)", 0)
+	rec.AddAttrs(slog.Int("suppressed", n))
+	_ = r.base.Handle(context.Background(), rec)
 }
 
 // take spends a token at time now, if one is left: ok, and how many
@@ -52,6 +90,9 @@ func (r *rateLimit) take(now time.Time) (ok bool, held int) {
 	}
 	if r.tokens < 1 {
 		r.suppressed++
+		if r.timer == nil && !r.closed {
+			r.timer = time.AfterFunc(flushAfter, r.flush)
+		}
 		return false, 0
 	}
 	r.tokens--
