@@ -38,7 +38,7 @@ func (e *Exporter) warnPinnedLocked(now time.Time) {
 		if !c.ended || c.dropped {
 			continue
 		}
-		named := false
+		name := ""
 		for i := range c.slots {
 			b := c.slots[i].b
 			if b == nil || b.abandoned || (b.ring == nil && b.arena == nil) {
@@ -60,9 +60,12 @@ func (e *Exporter) warnPinnedLocked(now time.Time) {
 				h.bufs[b] = struct{}{}
 				h.bytes += b.span
 			}
-			if !named {
-				h.who = append(h.who, c.peer.String())
-				named = true
+			// Named once in each ring or arena it holds buffers of.
+			if name == "" {
+				name = c.peer.String()
+			}
+			if len(h.who) == 0 || h.who[len(h.who)-1] != name {
+				h.who = append(h.who, name)
 			}
 		}
 	}
