@@ -50,6 +50,7 @@ type Buffer struct {
 	// stream-ordered: its next write waits on them (settle). settling is
 	// the other half of a double buffer, so that neither allocates.
 	after, settling []*consEvent
+	settlers        int // settles under way (settle)
 }
 
 // waitAfterLocked makes b's next write wait on ce. mu held.
@@ -72,35 +73,41 @@ func (b *Buffer) waitAfterLocked(ce *consEvent) {
 // it write under work not yet done.
 func (e *Exporter) settle(b *Buffer, s *driver.Stream) error {
 	e.mu.Lock()
-	if len(b.after) == 0 && len(b.settling) == 0 {
+	if len(b.after) == 0 && b.settlers == 0 {
 		e.mu.Unlock()
 		return nil
 	}
-	// The first settles with b.settling, the other half of a double
-	// buffer, so that it allocates nothing; a later one makes its own.
-	own := len(b.settling) == 0
-	var set []*consEvent
-	if own {
-		set = b.settling[:0]
-	} else {
-		set = make([]*consEvent, 0, len(b.settling)+len(b.after))
-		for _, ce := range b.settling {
-			ce.refs++
-			set = append(set, ce)
-		}
-	}
+	// b.settling holds every event a settle under way waits for, until the
+	// last of them ends: one that comes meanwhile waits for them all,
+	// those a settle before it took from b.after included. The first
+	// waits on b.settling itself (later ones only append to it), so that
+	// it allocates nothing; a later one copies it, with references.
 	for _, ce := range b.after {
 		if ce.dead {
 			e.unrefEventLocked(ce, 1)
 			continue
 		}
-		set = append(set, ce)
+		b.settling = append(b.settling, ce) // b.after's reference goes with it
 	}
+	clear(b.after)
 	b.after = b.after[:0]
-	if own {
-		b.settling = set
+	b.settlers++
+	own := b.settlers == 1
+	set := b.settling
+	if !own {
+		set = make([]*consEvent, 0, len(b.settling))
+		for _, ce := range b.settling {
+			if ce.dead {
+				continue
+			}
+			ce.refs++
+			set = append(set, ce)
+		}
 	}
 	e.mu.Unlock()
+	if settleWaiting != nil {
+		settleWaiting() // a test holds the settle here, its events taken
+	}
 	var err error
 	for _, ce := range set {
 		if s != nil {
@@ -110,12 +117,17 @@ func (e *Exporter) settle(b *Buffer, s *driver.Stream) error {
 		}
 	}
 	e.mu.Lock()
-	for _, ce := range set {
-		e.unrefEventLocked(ce, 1)
+	if !own {
+		for _, ce := range set {
+			e.unrefEventLocked(ce, 1)
+		}
 	}
-	if own {
-		clear(set)
-		b.settling = set[:0]
+	if b.settlers--; b.settlers == 0 {
+		for _, ce := range b.settling {
+			e.unrefEventLocked(ce, 1)
+		}
+		clear(b.settling)
+		b.settling = b.settling[:0]
 	}
 	e.mu.Unlock()
 	if err != nil {
@@ -123,6 +135,11 @@ func (e *Exporter) settle(b *Buffer, s *driver.Stream) error {
 	}
 	return nil
 }
+
+// settleWaiting, if set (tests only), runs in settle between taking the
+// events and waiting for them: the simulator's events are done at once, so
+// a test cannot otherwise catch a settle in its wait.
+var settleWaiting func()
 
 // Ptr is the buffer's device pointer in the exporting process.
 func (b *Buffer) Ptr() driver.DevicePtr { return b.rec.base + driver.DevicePtr(b.off) }

@@ -60,3 +60,34 @@ func TestWaitOnTogether(t *testing.T) {
 	c.Wait()
 	checkConsumer(t, &rep, batches)
 }
+
+// TestSettleSeesEveryInFlightEvent: while a later settle (not the first)
+// waits for events it took from b.after, a settle that comes after the
+// first ended must wait for them too. (A first fix let it return at once.)
+func TestSettleSeesEveryInFlightEvent(t *testing.T) {
+	env := sharetest.Setup(t)
+	e := newExporterWith(t, env, share.ExporterConfig{Sharing: share.SharingVMM})
+	r, err := e.NewRing(1, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := r.Acquire(sharetest.Ctx(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev1, err := env.Ctx.NewEvent(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ev1.Close()
+	ev2, err := env.Ctx.NewEvent(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ev2.Close()
+	if !share.SettleMissesInFlight(e, b, ev1, ev2) {
+		t.Fatal("a settle coming while another waits for an event it took from b.after would not wait for it: it returns at once")
+	}
+	b.Free()
+	shutdown(t, e)
+}
