@@ -37,6 +37,9 @@ type rateLimit struct {
 	base       slog.Handler // where flush writes
 	timer      *time.Timer  // the flush armed, if any
 	closed     bool         // no flush is armed any more
+	// flushMu serializes flushes, their writes included, so that close
+	// returns after a flush the timer started.
+	flushMu sync.Mutex
 }
 
 // limitLogger returns a logger that writes to l's handler what the limit
@@ -55,7 +58,7 @@ func (r *rateLimit) close() {
 		r.timer.Stop()
 	}
 	r.mu.Unlock()
-	r.flush()
+	r.flushNow(true)
 }
 
 // flushAfter is how long after the first record held back flush looks
@@ -64,8 +67,18 @@ const flushAfter = 2 * time.Second / logPerSecond
 
 // flush writes how many records were held back since the last that
 // passed, if no record has passed since to say so.
-func (r *rateLimit) flush() {
+func (r *rateLimit) flush() { r.flushNow(false) }
+
+// flushNow is flush; final is close's, the timer's (not final) writes
+// nothing once the limit is closed: close has counted, or will.
+func (r *rateLimit) flushNow(final bool) {
+	r.flushMu.Lock()
+	defer r.flushMu.Unlock()
 	r.mu.Lock()
+	if r.closed && !final {
+		r.mu.Unlock()
+		return
+	}
 	n := r.suppressed
 	r.suppressed, r.timer = 0, nil
 	r.mu.Unlock()
@@ -88,14 +101,16 @@ func (r *rateLimit) take(now time.Time) (ok bool, held int) {
 	if now.After(r.last) {
 		r.last = now
 	}
-	if r.tokens < 1 {
+	if r.tokens < 1 && !r.closed {
+		// Once closed (the listener is, and takes no more peers), what its
+		// connections still log passes: no flush would count it.
 		r.suppressed++
 		if r.timer == nil && !r.closed {
 			r.timer = time.AfterFunc(flushAfter, r.flush)
 		}
 		return false, 0
 	}
-	r.tokens--
+	r.tokens = max(0, r.tokens-1)
 	held, r.suppressed = r.suppressed, 0
 	return true, held
 }
