@@ -170,6 +170,8 @@ _ending = [False]  # set once the run ends: later signals are ignored
 def _interrupt(signum, frame):
     if _ending[0]:
         return
+    # One interrupt ends the run; a second must not cut its end short.
+    _ending[0] = True
     raise KeyboardInterrupt("signal %d" % signum)
 
 
@@ -191,13 +193,18 @@ def main(argv=None):
     # SIGTERM ends the run as SIGINT does: the leases in hand are released,
     # the mappings closed, goodbye said, and the report printed (exit 0, end
     # "signal"), as the Go consumer does.
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
-    rep = consume(a, sys.stdout)
-    sys.stdout.write(json.dumps(rep, separators=(",", ":")) + "\n")
-    if rep.get("error"):
-        sys.stderr.write("consumer: %s\n" % rep["error"])
-    return rep["exit"]
+    _ending[0] = False  # a main() run before in this interpreter has set it
+    prev = signal.signal(signal.SIGTERM, _interrupt), signal.signal(signal.SIGINT, _interrupt)
+    try:
+        rep = consume(a, sys.stdout)
+        sys.stdout.write(json.dumps(rep, separators=(",", ":")) + "\n")
+        if rep.get("error"):
+            sys.stderr.write("consumer: %s\n" % rep["error"])
+        return rep["exit"]
+    finally:
+        # A caller that runs main() in its own process gets its handlers back.
+        signal.signal(signal.SIGTERM, prev[0])
+        signal.signal(signal.SIGINT, prev[1])
 
 
 if __name__ == "__main__":

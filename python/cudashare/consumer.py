@@ -361,7 +361,16 @@ class Consumer(Reader, Releases):
             stop.set()
             deadline = time.monotonic() + _STOP_WAIT
             for ev in ended[:started]:
-                ev.wait(max(0.0, deadline - time.monotonic()))
+                while True:
+                    try:
+                        ev.wait(max(0.0, deadline - time.monotonic()))
+                        break
+                    except BaseException:
+                        # A second interrupt (a signal sent twice): the
+                        # workers must still stop before the caller closes
+                        # the mappings under them.
+                        if time.monotonic() >= deadline:
+                            break
             raise
         if first:
             raise first[0]

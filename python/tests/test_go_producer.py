@@ -206,6 +206,63 @@ def test_cli_sigterm_during_close(go_producer):
     assert code == 0 and rep["consumers_lost"] == 0, (rep, p.err)
 
 
+def test_cli_second_sigterm_during_the_stop_wait(go_producer):
+    """A second SIGTERM (a process group signalled twice) while run waits
+    for a worker still copying: run must not re-raise before the worker is
+    done, or consume's finally unmaps under the copy."""
+    p = go_producer("-size", "64KiB")
+    cli = _cli_patched(p, """
+        orig = cudashare.backends.SimBackend.copy_to_host
+        fired = []
+        unmapped = threading.Event()
+        def slow_copy(self, *a, **k):
+            if not fired:
+                fired.append(1)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.3)   # the main thread is in run's bounded wait now
+                os.kill(os.getpid(), signal.SIGTERM)
+                unmapped.wait(1)  # a long copy under way
+            return orig(self, *a, **k)
+        cudashare.backends.SimBackend.copy_to_host = slow_copy
+        oclose = cudashare.backends.SimBackend.close
+        def close(self, m):
+            oclose(self, m)
+            unmapped.set()
+            time.sleep(0.2)
+        cudashare.backends.SimBackend.close = close
+    """, "--verify", "full", "--workers", "1")
+    p.kill(signal.SIGINT)
+    assert cli.returncode == 0, (cli.returncode, cli.stderr[-4000:])
+    assert json.loads(cli.stdout.strip().splitlines()[-1])["end"] == "signal"
+
+
+def test_cli_main_twice_in_one_interpreter(go_producer):
+    """main() run twice in one process (a test or a wrapper calling it):
+    the second run must still end on SIGTERM (the first left signals
+    ignored), and the caller gets its handlers back."""
+    p1 = go_producer("-size", "64KiB", "-count", "3")
+    p2 = go_producer("-size", "64KiB")
+    code = textwrap.dedent("""
+        import os, signal, sys, threading, json
+        from cudashare import __main__ as m
+        assert m.main(["consume", "--socket", %r, "--wait", "5"]) == 0
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        sys.exit(m.main(["consume", "--socket", %r, "--wait", "5"]))
+    """ % (p1.path, p2.path))
+    cli = subprocess.Popen([sys.executable, "-c", code], cwd=PY, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env=dict(os.environ, CUDASHARE_DRIVER="sim"))
+    try:
+        out, err = cli.communicate(timeout=6)
+    except subprocess.TimeoutExpired:
+        cli.kill()
+        out, err = cli.communicate()
+        raise AssertionError("the second main() ignored SIGTERM: still running 5 s after it")
+    finally:
+        p2.kill(signal.SIGINT)
+    assert cli.returncode == 0, err
+    assert json.loads(out.strip().splitlines()[-1])["end"] == "signal"
+
+
 def test_vmm_data_path(go_producer, gobin):
     """Needs the producer's VMM lending (-sharing vmm)."""
     if not producer_has_sharing(gobin):
