@@ -179,6 +179,24 @@ func TestProducerGone(t *testing.T) {
 	checkImporter(t, im)
 }
 
+// holdUntilEnd is a handler that runs enter, then holds its lease until its
+// context ends (counted in cancelled) or 10 s pass, and returns nil or, with
+// ret "ctx.Err", its context's error, as handlers usually do.
+func holdUntilEnd(ret string, cancelled *atomic.Int32, enter func()) pool.Handler {
+	return func(ctx context.Context, l *share.Lease) error {
+		enter()
+		select {
+		case <-ctx.Done():
+			cancelled.Add(1)
+			if ret == "ctx.Err" {
+				return ctx.Err()
+			}
+		case <-time.After(10 * time.Second):
+		}
+		return nil
+	}
+}
+
 // TestProducerGoneEndsHandlers: every worker holds a lease in a handler
 // that waits for its context, so none is in Next to see the producer die:
 // the handlers' context must end with it, and Run return ErrProducerGone,
@@ -190,20 +208,11 @@ func TestProducerGoneEndsHandlers(t *testing.T) {
 			p, im := dial(t, env, 4)
 			const workers = 2
 			var in, cancelled atomic.Int32
-			err := pool.Run(sharetest.Ctx(t), im, workers, func(ctx context.Context, l *share.Lease) error {
+			err := pool.Run(sharetest.Ctx(t), im, workers, holdUntilEnd(ret, &cancelled, func() {
 				if in.Add(1) == workers {
 					p.Kill()
 				}
-				select {
-				case <-ctx.Done():
-					cancelled.Add(1)
-					if ret == "ctx.Err" {
-						return ctx.Err()
-					}
-				case <-time.After(10 * time.Second):
-				}
-				return nil
-			})
+			}))
 			if !errors.Is(err, share.ErrProducerGone) || errors.Is(err, io.EOF) {
 				t.Fatalf("Run: %v, want ErrProducerGone without a goodbye", err)
 			}
@@ -266,17 +275,7 @@ func TestDroppedEndsHandlers(t *testing.T) {
 			e, r, im := inproc(t, env, share.ExporterConfig{LeaseTimeout: 300 * time.Millisecond}, 4)
 			go offerN(t, e, r, 2)
 			var cancelled atomic.Int32
-			err := pool.Run(sharetest.Ctx(t), im, 2, func(ctx context.Context, l *share.Lease) error {
-				select {
-				case <-ctx.Done():
-					cancelled.Add(1)
-					if ret == "ctx.Err" {
-						return ctx.Err()
-					}
-				case <-time.After(10 * time.Second):
-				}
-				return nil
-			})
+			err := pool.Run(sharetest.Ctx(t), im, 2, holdUntilEnd(ret, &cancelled, func() {}))
 			if !errors.Is(err, share.ErrProducerGone) || !errors.Is(err, transport.ErrTimeout) || errors.Is(err, io.EOF) {
 				t.Fatalf("Run: %v, want the drop for a timeout (ErrProducerGone, ErrTimeout)", err)
 			}

@@ -159,10 +159,12 @@ def _cli_patched(p, patch, *args):
                           text=True, timeout=30, env=dict(os.environ, CUDASHARE_DRIVER="sim"))
 
 
-def test_cli_sigterm_while_a_worker_reads(go_producer):
+@pytest.mark.parametrize("signals", [1, 2])
+def test_cli_sigterm_while_a_worker_reads(go_producer, signals):
     """SIGTERM while a worker thread copies a batch out of its mapping: the
     main thread must stop the workers before it closes the mappings (it used
-    to unmap under the copy: SIGSEGV)."""
+    to unmap under the copy: SIGSEGV), even when a second SIGTERM (a process
+    group signalled twice) lands while it waits for them."""
     p = go_producer("-size", "64KiB")
     cli = _cli_patched(p, """
         orig = cudashare.backends.SimBackend.copy_to_host
@@ -172,6 +174,9 @@ def test_cli_sigterm_while_a_worker_reads(go_producer):
             if not fired:
                 fired.append(1)
                 os.kill(os.getpid(), signal.SIGTERM)
+                if %d == 2:
+                    time.sleep(0.3)  # the main thread waits for the workers now
+                    os.kill(os.getpid(), signal.SIGTERM)
                 unmapped.wait(1)  # a long copy under way when the run ends
             return orig(self, *a, **k)
         cudashare.backends.SimBackend.copy_to_host = slow_copy
@@ -181,7 +186,7 @@ def test_cli_sigterm_while_a_worker_reads(go_producer):
             unmapped.set()
             time.sleep(0.2)
         cudashare.backends.SimBackend.close = close
-    """, "--verify", "full", "--workers", "1")
+    """ % signals, "--verify", "full", "--workers", "1")
     p.kill(signal.SIGINT)
     assert cli.returncode == 0, (cli.returncode, cli.stderr[-4000:])
     assert json.loads(cli.stdout.strip().splitlines()[-1])["end"] == "signal"
@@ -204,36 +209,6 @@ def test_cli_sigterm_during_close(go_producer):
     assert json.loads(cli.stdout.strip().splitlines()[-1])["handoffs"] == 5
     rep, code = p.wait()
     assert code == 0 and rep["consumers_lost"] == 0, (rep, p.err)
-
-
-def test_cli_second_sigterm_during_the_stop_wait(go_producer):
-    """A second SIGTERM (a process group signalled twice) while run waits
-    for a worker still copying: run must not re-raise before the worker is
-    done, or consume's finally unmaps under the copy."""
-    p = go_producer("-size", "64KiB")
-    cli = _cli_patched(p, """
-        orig = cudashare.backends.SimBackend.copy_to_host
-        fired = []
-        unmapped = threading.Event()
-        def slow_copy(self, *a, **k):
-            if not fired:
-                fired.append(1)
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(0.3)   # the main thread is in run's bounded wait now
-                os.kill(os.getpid(), signal.SIGTERM)
-                unmapped.wait(1)  # a long copy under way
-            return orig(self, *a, **k)
-        cudashare.backends.SimBackend.copy_to_host = slow_copy
-        oclose = cudashare.backends.SimBackend.close
-        def close(self, m):
-            oclose(self, m)
-            unmapped.set()
-            time.sleep(0.2)
-        cudashare.backends.SimBackend.close = close
-    """, "--verify", "full", "--workers", "1")
-    p.kill(signal.SIGINT)
-    assert cli.returncode == 0, (cli.returncode, cli.stderr[-4000:])
-    assert json.loads(cli.stdout.strip().splitlines()[-1])["end"] == "signal"
 
 
 def test_cli_main_twice_in_one_interpreter(go_producer):
