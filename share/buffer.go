@@ -245,7 +245,7 @@ func (e *Exporter) freeBufferLocked(b *Buffer) {
 		e.releaseAfterLocked(b)
 		e.stats.AbandonedBytes += b.span
 	case b.rec.state != recLive:
-	case len(b.after) > 0:
+	case len(b.after) > 0 || b.settlers > 0:
 		// Consumers' GPU work may still read it: the range comes back
 		// once that is done (reclaimLocked). A waiting Alloc wakes to
 		// check, or to wait for it.
@@ -263,8 +263,12 @@ func (a *Arena) reclaimLocked() {
 	e := a.e
 	keep := a.pending[:0]
 	for _, b := range a.pending {
-		done := true
+		// A settle under way holds events in b.settling: not done.
+		done := b.settlers == 0
 		for _, ce := range b.after {
+			if !done {
+				break
+			}
 			if ce.dead {
 				continue
 			}
@@ -476,7 +480,8 @@ func (r *Ring) take(b *Buffer) (_ *Buffer, waits bool, _ error) {
 		return nil, false, nil
 	}
 	b.held = true
-	return b, len(b.after) > 0, nil
+	// A settle under way (a WaitOn after Offer) holds events in b.settling.
+	return b, len(b.after) > 0 || b.settlers > 0, nil
 }
 
 // Retire retires the ring's allocations (see Exporter.Retire) and frees

@@ -44,3 +44,6 @@ func SettleMissesInFlight(e *Exporter, b *Buffer, ev1, ev2 *driver.Event) (cWait
 	<-done
 	return cWaitsForEv2
 }
+
+// SetSettleWaiting sets the test hook settleWaiting (nil: none).
+func SetSettleWaiting(f func()) { settleWaiting = f }
