@@ -174,10 +174,11 @@ func (p *Pool) Wait() error {
 func (p *Pool) finish() {
 	defer close(p.done)
 	err := p.g.Wait()
+	cerr := p.ctx.Err() // once: a cancel between two reads would lose both causes
 	if err == nil {
-		err = p.ctx.Err()
+		err = cerr
 	}
-	if p.ctx.Err() == nil && p.lost.Err() != nil && (err == nil || errors.Is(err, context.Canceled)) {
+	if cerr == nil && p.lost.Err() != nil && (err == nil || errors.Is(err, context.Canceled)) {
 		// The workers saw their context end and left the cause to
 		// whoever ended it: the importer. A handler that returned its
 		// context's error (context.Canceled) says no more than that.
