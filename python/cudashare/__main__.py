@@ -175,7 +175,7 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt("signal %d" % signum)
 
 
-def main(argv=None):
+def main(argv=None, restore_signals=True):
     p = argparse.ArgumentParser(prog="python -m cudashare")
     sub = p.add_subparsers(dest="cmd", required=True)
     cp = sub.add_parser("consume", help="consume a producer's batches and print a JSON report")
@@ -193,8 +193,11 @@ def main(argv=None):
     # SIGTERM ends the run as SIGINT does: the leases in hand are released,
     # the mappings closed, goodbye said, and the report printed (exit 0, end
     # "signal"), as the Go consumer does.
-    _ending[0] = False  # a main() run before in this interpreter has set it
-    prev = signal.signal(signal.SIGTERM, _interrupt), signal.signal(signal.SIGINT, _interrupt)
+    # Only the main thread may set handlers: elsewhere the run goes without.
+    own = threading.current_thread() is threading.main_thread()
+    if own:
+        _ending[0] = False  # a main() run before in this interpreter has set it
+        prev = signal.signal(signal.SIGTERM, _interrupt), signal.signal(signal.SIGINT, _interrupt)
     try:
         rep = consume(a, sys.stdout)
         sys.stdout.write(json.dumps(rep, separators=(",", ":")) + "\n")
@@ -202,10 +205,13 @@ def main(argv=None):
             sys.stderr.write("consumer: %s\n" % rep["error"])
         return rep["exit"]
     finally:
-        # A caller that runs main() in its own process gets its handlers back.
-        signal.signal(signal.SIGTERM, prev[0])
-        signal.signal(signal.SIGINT, prev[1])
+        # A caller that runs main() in its own process gets its handlers back;
+        # the CLI does not: a signal between the restore and the exit (a
+        # group signalled twice) would kill it after its report said exit 0.
+        if own and restore_signals:
+            signal.signal(signal.SIGTERM, prev[0])
+            signal.signal(signal.SIGINT, prev[1])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(restore_signals=False))

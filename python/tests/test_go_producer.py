@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -236,6 +237,53 @@ def test_cli_main_twice_in_one_interpreter(go_producer):
         p2.kill(signal.SIGINT)
     assert cli.returncode == 0, err
     assert json.loads(out.strip().splitlines()[-1])["end"] == "signal"
+
+
+def _cli_entry_patched(p, patch):
+    """python -m cudashare consume, through its real entry (runpy), with
+    `patch` applied first."""
+    code = "import os, signal, sys, threading, runpy\n" + textwrap.dedent(patch) + textwrap.dedent("""
+        sys.argv = ["cudashare", "consume", "--socket", %r, "--wait", "5"]
+        runpy.run_module("cudashare", run_name="__main__", alter_sys=True)
+    """ % p.path)
+    return subprocess.run([sys.executable, "-c", code], cwd=PY, capture_output=True, text=True, timeout=30,
+                          env=dict(os.environ, CUDASHARE_DRIVER="sim"))
+
+
+def test_cli_sigterm_after_main_restores_handlers(go_producer):
+    """A process group signalled twice, the second SIGTERM landing as main()
+    ends: the CLI, whose report said exit 0 and end "signal", must not then
+    die of it (main() used to restore the default handler first)."""
+    p = go_producer("-size", "64KiB")
+    cli = _cli_entry_patched(p, """
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        orig = signal.signal
+        def sig(s, h):
+            r = orig(s, h)
+            if s == signal.SIGINT and h is signal.default_int_handler:
+                os.kill(os.getpid(), signal.SIGTERM)  # the group's second SIGTERM
+            return r
+        signal.signal = sig
+    """)
+    p.kill(signal.SIGINT)
+    assert json.loads(cli.stdout.strip().splitlines()[-1])["end"] == "signal"
+    assert cli.returncode == 0, (cli.returncode, cli.stderr[-2000:])
+
+
+def test_main_off_the_main_thread():
+    """main() from a worker thread: signal.signal raises ValueError there."""
+    from cudashare import __main__ as m
+    r = []
+
+    def f():
+        try:
+            r.append(m.main(["consume", "--socket", "/nonexistent/cudashare-test.sock"]))
+        except BaseException as e:
+            r.append(e)
+    t = threading.Thread(target=f)
+    t.start()
+    t.join(10)
+    assert r == [m.EXIT_NO_PRODUCER], r
 
 
 def test_vmm_data_path(go_producer, gobin):
