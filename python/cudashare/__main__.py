@@ -13,6 +13,7 @@ import threading
 import time
 
 from . import connect
+from . import errors
 from .errors import Closed, NotSupported, ProducerGone, ProtocolError
 
 # The Go consumer's exit statuses (internal/app/common.go), so that scripts
@@ -132,7 +133,10 @@ def consume(args, out):
         rep["end"], err = "producer vanished", (str(e), EXIT_PRODUCER_GONE)
     except ProtocolError as e:
         # remote: the producer sent the error, and dropped this consumer.
-        rep["end"] = "dropped" if e.remote else "protocol error"
+        rep["end"] = "protocol error"
+        if e.remote:
+            # The Go consumer's words: "dropped: timeout" for code 11.
+            rep["end"] = "dropped: timeout" if e.code == errors.TIMEOUT else "dropped"
         err = (str(e), EXIT_DROPPED if e.remote else EXIT_FAILURE)
     except KeyboardInterrupt:
         rep["end"] = "signal"

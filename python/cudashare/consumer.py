@@ -178,8 +178,14 @@ class Consumer(Reader, Releases):
             self._sock.sendall(frame)
 
     def _handshake(self, timeout, backend):
-        self._send([wire.HELLO, wire.VERSION, wire.ROLE_CONSUMER, os.getpid(), os.urandom(16), [],
-                    wire.CAP_FDS, self.credits])
+        try:
+            self._send([wire.HELLO, wire.VERSION, wire.ROLE_CONSUMER, os.getpid(), os.urandom(16), [],
+                        wire.CAP_FDS, self.credits])
+        except (BrokenPipeError, ConnectionResetError):
+            # A listener that refuses this peer (another user, a limit)
+            # says why and closes at once, maybe before the hello is
+            # written (PROTOCOL.md section 3): its error is read below.
+            pass
         deadline = time.monotonic() + timeout
         body = None
         while body is None:

@@ -7,6 +7,7 @@ import ctypes
 import gc
 import os
 import socket
+import threading
 import time
 import warnings
 
@@ -246,6 +247,34 @@ def test_handshake_timeout_and_refusal(fake):
         cudashare.connect(f2.path, backend="sim")
     t.join()
     assert ei.value.code == E.LIMIT and ei.value.remote
+
+
+def test_refusal_before_the_hello(fake, monkeypatch):
+    """A listener that refuses at once (another user, a limit) writes its
+    error and closes before this side's hello is written: the write fails
+    with EPIPE, and connect must still raise the listener's reason (it
+    used to raise BrokenPipeError)."""
+    f = fake()
+    refused = threading.Event()
+
+    def refuse():
+        f.lsock.settimeout(5)
+        f.conn, _ = f.lsock.accept()
+        f.send([9, 2, "uid 4242 is not allowed"])
+        f.conn.close()
+        refused.set()
+    t = threading.Thread(target=refuse)
+    t.start()
+    orig = cudashare.consumer.Consumer._send
+
+    def late_send(self, msg):
+        refused.wait(5)  # the listener has refused and closed
+        return orig(self, msg)
+    monkeypatch.setattr(cudashare.consumer.Consumer, "_send", late_send)
+    with pytest.raises(cudashare.ProtocolError) as ei:
+        cudashare.connect(f.path, backend="sim")
+    t.join()
+    assert ei.value.code == E.PEER_REFUSED and ei.value.remote and "not allowed" in str(ei.value)
 
 
 def test_run_with_workers(fake):

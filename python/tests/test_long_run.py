@@ -267,7 +267,7 @@ def test_lease_held_past_timeout_drops_only_that_consumer(go_producer, gobin, pr
 def test_stopped_consumer_is_dropped_and_says_so(go_producer, procs):
     """A `python -m cudashare consume` process SIGSTOPped until the producer
     drops it (past the 1 s lease and write timeouts), then SIGCONTed: it
-    reports the drop (end "dropped", error 11) and exits 8, as the Go
+    reports the drop (end "dropped: timeout", error 11) and exits 8, as the Go
     consumer does; the producer
     went on serving the other consumer and exits 0."""
     p = watched(go_producer("-size", "64KiB", "-consumers", "2", "-report-every", "100ms", *SHORT))
@@ -299,7 +299,7 @@ def test_stopped_consumer_is_dropped_and_says_so(go_producer, procs):
         other.close()
     rep, code = p.wait()
     assert ccode == 8, (crep, cli.stderr)
-    assert crep["end"] == "dropped" and "error 11 (timeout)" in crep["error"] and "lease" in crep["error"], crep
+    assert crep["end"] == "dropped: timeout" and "error 11 (timeout)" in crep["error"] and "lease" in crep["error"], crep
     assert "dropped" in cli.stderr or "error 11" in cli.stderr, cli.stderr
     assert "garbage-collected" not in cli.stderr, cli.stderr  # it released every lease it was handed
     assert code == 0, p.stderr
@@ -337,7 +337,7 @@ def test_consumer_stopped_past_write_timeout(go_producer, procs):
     # Messages left unread past -write-timeout: a drop (its connection
     # ended without a goodbye, so it is lost as well).
     assert rep["consumers_dropped"] == 1 and rep["consumers_lost"] == 1, rep
-    assert ccode != 0 and crep["end"] in ("dropped", "producer vanished"), (crep, cli.stderr)
+    assert ccode != 0 and crep["end"] in ("dropped", "dropped: timeout", "producer vanished"), (crep, cli.stderr)
     assert "garbage-collected" not in cli.stderr, cli.stderr
 
 
