@@ -53,6 +53,12 @@ type Buffer struct {
 	settlers        int // settles under way (settle)
 }
 
+// gpuBusyLocked reports whether consumers' stream-ordered work may still
+// read b: release events not yet waited for, in b.after or held by a
+// settle under way (b.settling). Whoever writes or hands out b settles
+// first. mu held.
+func (b *Buffer) gpuBusyLocked() bool { return len(b.after) > 0 || b.settlers > 0 }
+
 // waitAfterLocked makes b's next write wait on ce. mu held.
 func (b *Buffer) waitAfterLocked(ce *consEvent) {
 	for _, x := range b.after {
@@ -73,7 +79,7 @@ func (b *Buffer) waitAfterLocked(ce *consEvent) {
 // it write under work not yet done.
 func (e *Exporter) settle(b *Buffer, s *driver.Stream) error {
 	e.mu.Lock()
-	if len(b.after) == 0 && b.settlers == 0 {
+	if !b.gpuBusyLocked() {
 		e.mu.Unlock()
 		return nil
 	}
@@ -245,7 +251,7 @@ func (e *Exporter) freeBufferLocked(b *Buffer) {
 		e.releaseAfterLocked(b)
 		e.stats.AbandonedBytes += b.span
 	case b.rec.state != recLive:
-	case len(b.after) > 0 || b.settlers > 0:
+	case b.gpuBusyLocked():
 		// Consumers' GPU work may still read it: the range comes back
 		// once that is done (reclaimLocked). A waiting Alloc wakes to
 		// check, or to wait for it.
@@ -480,8 +486,7 @@ func (r *Ring) take(b *Buffer) (_ *Buffer, waits bool, _ error) {
 		return nil, false, nil
 	}
 	b.held = true
-	// A settle under way (a WaitOn after Offer) holds events in b.settling.
-	return b, len(b.after) > 0 || b.settlers > 0, nil
+	return b, b.gpuBusyLocked(), nil
 }
 
 // Retire retires the ring's allocations (see Exporter.Retire) and frees

@@ -95,13 +95,14 @@ func TestSettleSeesEveryInFlightEvent(t *testing.T) {
 	shutdown(t, e)
 }
 
-// TestAcquireWaitsForSettleUnderWay: the producer offers a ring buffer and
-// WaitOn's it in another goroutine (as TestWaitOnTogether does); the
-// consumer releases it stream-ordered, the buffer returns to the ring, and
-// the WaitOn's settle takes its events into b.settling and waits. An Acquire
-// now gets the same buffer: it must wait for those events too (take used
-// to look at b.after only, which the settle under way had emptied).
-func TestAcquireWaitsForSettleUnderWay(t *testing.T) {
+// heldSettle runs the case both tests below share: a buffer from take,
+// filled and offered to a consumer that releases stream-ordered, is waited
+// for (WaitOn) in another goroutine, whose settle is held in its wait with
+// the consumer's events taken (settleWaiting). Meanwhile next(b) runs; it
+// may take the buffer again. It returns b, what next returned, and how many
+// settles ran before the held one was let go.
+func heldSettle(t *testing.T, setup func(*share.Exporter) func(context.Context) (*share.Buffer, error),
+	next func(context.Context, *share.Buffer) (*share.Buffer, error)) (b, b2 *share.Buffer, settles int32) {
 	env := sharetest.Setup(t)
 	e := newExporterWith(t, env, share.ExporterConfig{Sharing: share.SharingVMM})
 	c := startConsumer(t, e, sharetest.EnvParam(sharetest.ParamStream, 1), sharetest.EnvParam(sharetest.ParamAfter, 1))
@@ -109,21 +110,18 @@ func TestAcquireWaitsForSettleUnderWay(t *testing.T) {
 	if err := e.WaitConsumers(ctx, 1); err != nil {
 		t.Fatal(err)
 	}
-	r, err := e.NewRing(1, 4096)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := r.Acquire(ctx)
+	take := setup(e)
+	b, err := take(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), 0); err != nil {
 		t.Fatal(err)
 	}
-	var settles atomic.Int32
+	var n atomic.Int32
 	waiting, release := make(chan struct{}), make(chan struct{})
 	share.SetSettleWaiting(func() {
-		if settles.Add(1) == 1 {
+		if n.Add(1) == 1 {
 			close(waiting)
 			<-release
 		}
@@ -139,10 +137,10 @@ func TestAcquireWaitsForSettleUnderWay(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("WaitOn never reached its settle (did the consumer release stream-ordered?)")
 	}
-	actx, cancel := context.WithTimeout(ctx, 3*time.Second)
-	b2, err := r.Acquire(actx)
+	nctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	b2, err = next(nctx, b)
 	cancel()
-	got := settles.Load()
+	settles = n.Load()
 	close(release)
 	if werr := <-done; werr != nil {
 		t.Fatal(werr)
@@ -150,15 +148,33 @@ func TestAcquireWaitsForSettleUnderWay(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got < 2 {
-		t.Errorf("Acquire returned buffer (same: %v) without waiting for the events a settle under way holds: the producer may write it under the consumer's GPU work", b2 == b)
-	}
 	b2.Free()
 	shutdown(t, e)
 	var rep sharetest.ConsumerReport
 	c.Report(&rep)
 	c.Wait()
 	checkConsumer(t, &rep, 1)
+	return b, b2, settles
+}
+
+// TestAcquireWaitsForSettleUnderWay: the producer offers a ring buffer and
+// WaitOn's it in another goroutine (as TestWaitOnTogether does); the
+// consumer releases it stream-ordered, the buffer returns to the ring, and
+// the WaitOn's settle takes its events into b.settling and waits. An Acquire
+// now gets the same buffer: it must wait for those events too (take used
+// to look at b.after only, which the settle under way had emptied).
+func TestAcquireWaitsForSettleUnderWay(t *testing.T) {
+	var r *share.Ring
+	b, b2, settles := heldSettle(t, func(e *share.Exporter) func(context.Context) (*share.Buffer, error) {
+		var err error
+		if r, err = e.NewRing(1, 4096); err != nil {
+			t.Fatal(err)
+		}
+		return r.Acquire
+	}, func(ctx context.Context, _ *share.Buffer) (*share.Buffer, error) { return r.Acquire(ctx) })
+	if settles < 2 {
+		t.Errorf("Acquire returned buffer (same: %v) without waiting for the events a settle under way holds: the producer may write it under the consumer's GPU work", b2 == b)
+	}
 }
 
 // TestArenaFreeDuringSettle: as above for an arena: a WaitOn's settle holds
@@ -166,64 +182,21 @@ func TestAcquireWaitsForSettleUnderWay(t *testing.T) {
 // must not return to the arena before they are done (Free used to look at
 // b.after only, and the next Alloc handed it out at once).
 func TestArenaFreeDuringSettle(t *testing.T) {
-	env := sharetest.Setup(t)
-	e := newExporterWith(t, env, share.ExporterConfig{Sharing: share.SharingVMM})
-	c := startConsumer(t, e, sharetest.EnvParam(sharetest.ParamStream, 1), sharetest.EnvParam(sharetest.ParamAfter, 1))
-	ctx := sharetest.Ctx(t)
-	if err := e.WaitConsumers(ctx, 1); err != nil {
-		t.Fatal(err)
-	}
-	a, err := e.NewArena(4096)
-	if err != nil {
-		t.Fatal(err)
-	}
-	b, err := a.Alloc(ctx, 4096)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), 0); err != nil {
-		t.Fatal(err)
-	}
-	var settles atomic.Int32
-	waiting, release := make(chan struct{}), make(chan struct{})
-	share.SetSettleWaiting(func() {
-		if settles.Add(1) == 1 {
-			close(waiting)
-			<-release
+	var a *share.Arena
+	alloc := func(ctx context.Context) (*share.Buffer, error) { return a.Alloc(ctx, 4096) }
+	b, b2, settles := heldSettle(t, func(e *share.Exporter) func(context.Context) (*share.Buffer, error) {
+		var err error
+		if a, err = e.NewArena(4096); err != nil {
+			t.Fatal(err)
 		}
+		return alloc
+	}, func(ctx context.Context, b *share.Buffer) (*share.Buffer, error) {
+		if err := b.Free(); err != nil {
+			return nil, err
+		}
+		return alloc(ctx)
 	})
-	defer share.SetSettleWaiting(nil)
-	if err := e.Offer(ctx, b, share.OfferOptions{Meta: sharetest.Meta(0)}); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- b.WaitOn(ctx, nil) }()
-	select {
-	case <-waiting:
-	case <-time.After(5 * time.Second):
-		t.Fatal("WaitOn never reached its settle")
-	}
-	if err := b.Free(); err != nil {
-		t.Fatal(err)
-	}
-	actx, cancel := context.WithTimeout(ctx, 3*time.Second)
-	b2, err := a.Alloc(actx, 4096)
-	cancel()
-	got := settles.Load()
-	close(release)
-	if werr := <-done; werr != nil {
-		t.Fatal(werr)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	if got < 2 && b2.Ptr() == b.Ptr() {
+	if settles < 2 && b2.Ptr() == b.Ptr() {
 		t.Errorf("Alloc handed out the range (offset %d, freed buffer's %d) without waiting for the events a settle under way holds", b2.Ptr(), b.Ptr())
 	}
-	b2.Free()
-	shutdown(t, e)
-	var rep sharetest.ConsumerReport
-	c.Report(&rep)
-	c.Wait()
-	checkConsumer(t, &rep, 1)
 }
