@@ -119,10 +119,16 @@ type Importer struct {
 	pending   int                          // releases queued and not yet pushed
 	pushAt    int                          // pending releases that are pushed at once
 	pushTimer *time.Timer                  // pushes after releaseDelay
-	held      int                          // leases handed out and not released
 	heldZero  chan struct{}                // closed when held reaches 0; made by Shutdown
-	stats     ImporterStats
+	stats     ImporterStats                // but for the counters below
 	byeWhy    string
+
+	// Updated by handOut without mu (see there). held goes down with mu
+	// held, and is read with mu held where it decides something.
+	ending atomic.Bool   // set by endLocked before anything else
+	held   atomic.Int64  // leases handed out (or being handed out) and not released
+	handed atomic.Uint64 // ImporterStats.Leases
+	direct atomic.Uint64 // ImporterStats.Direct
 }
 
 // impAlloc is an allocation this importer holds open in the registry.
@@ -227,7 +233,7 @@ func (im *Importer) Stats() ImporterStats {
 	defer im.mu.Unlock()
 	s := im.stats
 	s.Leaked = im.leaked.Load()
-	s.Held = im.held
+	s.Leases, s.Direct, s.Held = im.handed.Load(), im.direct.Load(), int(im.held.Load())
 	for _, a := range im.allocs {
 		if !a.closed {
 			s.Mappings++
@@ -346,22 +352,38 @@ func (im *Importer) wait(ctx context.Context) (_ *Lease, direct bool, _ error) {
 }
 
 // handOut accounts for a lease given to the user, unless the importer has
-// stopped meanwhile, in which case the lease is dropped.
+// stopped meanwhile, in which case the lease is dropped. While the
+// importer runs it takes no lock: mu is what a pool's workers contend on,
+// and this is one of the three times a handoff would take it (with the
+// offer and the release).
+//
+// Shutdown must never miss a lease handed out: it stores ending, then
+// loads held; handOut adds to held, then loads ending. The atomics are
+// sequentially consistent, so at least one of the two sees the other's
+// write: either Shutdown waits for this lease, or handOut drops it.
 func (im *Importer) handOut(l *Lease, direct bool) error {
-	im.mu.Lock()
-	defer im.mu.Unlock()
-	if im.ended != nil {
+	im.held.Add(1)
+	if handingOut != nil {
+		handingOut() // a test stops the importer here
+	}
+	if im.ending.Load() {
+		im.mu.Lock()
+		defer im.mu.Unlock()
+		im.unholdLocked()
 		im.dropQueuedLocked(l)
 		return im.ended
 	}
-	l.st.out[l.idx] = heldLease{a: l.a, seq: l.seq, live: true}
-	im.held++
-	im.stats.Leases++
+	l.st.out[l.idx].live.Store(true)
+	im.handed.Add(1)
 	if direct {
-		im.stats.Direct++
+		im.direct.Add(1)
 	}
 	return nil
 }
+
+// handingOut, if set (tests only), runs in handOut between counting the
+// lease in held and looking at ending.
+var handingOut func()
 
 // onOffer maps an offer and returns its lease (one with the error if it
 // could not be mapped; nil if the importer is shutting down).
@@ -449,6 +471,8 @@ func (im *Importer) leaseLocked(o *transport.Offer) (*Lease, error) {
 		}
 	}
 	l := im.newLeaseLocked()
+	h := &l.st.out[l.idx] // live once handed out
+	h.a, h.seq = a, o.Seq
 	l.a, l.seq, l.gen, l.ptr, l.size, l.ev = a, o.Seq, o.Generation, a.ent.ptr+driver.DevicePtr(o.Offset), o.Size, ev
 	if n := len(o.Meta); n > 0 {
 		if n <= len(l.metaBuf) {

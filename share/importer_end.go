@@ -40,8 +40,10 @@ func (im *Importer) drainLocked() {
 	}
 }
 
-func (im *Importer) notifyHeldLocked() {
-	if im.heldZero != nil {
+// unholdLocked counts a lease handed out no more, and wakes Shutdown with
+// the last.
+func (im *Importer) unholdLocked() {
+	if im.held.Add(-1) == 0 && im.heldZero != nil {
 		close(im.heldZero)
 		im.heldZero = nil
 	}
@@ -50,6 +52,9 @@ func (im *Importer) notifyHeldLocked() {
 // endLocked stops Next with err.
 func (im *Importer) endLocked(err error) {
 	if im.ended == nil {
+		// First: a handOut that does not see it is one that Shutdown
+		// sees in held (handOut).
+		im.ending.Store(true)
 		im.ended = err
 		close(im.stop)
 		// A Next that reads the connection returns (reader.go).
@@ -97,7 +102,7 @@ func (im *Importer) Shutdown(ctx context.Context) error {
 	im.state = stateShutting
 	im.endLocked(fmt.Errorf("share: importer shut down: %w", ErrClosed))
 	im.drainLocked()
-	for im.held > 0 {
+	for im.held.Load() > 0 {
 		if im.heldZero == nil {
 			im.heldZero = make(chan struct{})
 		}

@@ -66,17 +66,19 @@ type leaseBlock struct {
 
 // blockState is the cleanup's view of a block: which of its leases were
 // handed out and not released. It must not refer to the block, or the
-// block would never become garbage. Guarded by Importer.mu.
+// block would never become garbage. Guarded by Importer.mu, but for live.
 type blockState struct {
 	im  *Importer
 	out [leaseBlockSize]heldLease
 }
 
-// heldLease is a lease handed out by Next, as its block's cleanup sees it.
+// heldLease is a lease of the block, as its block's cleanup sees it: a and
+// seq are set when its offer is mapped, live when Next hands it out, which
+// takes no lock (Importer.handOut); it is cleared with Importer.mu held.
 type heldLease struct {
 	a    *impAlloc
 	seq  uint64
-	live bool // handed out and not released
+	live atomic.Bool // handed out and not released
 }
 
 // newLeaseLocked returns a zero Lease from the current block, starting a
@@ -107,10 +109,10 @@ func blockCollected(st *blockState) {
 	defer im.mu.Unlock()
 	for i := range st.out {
 		h := &st.out[i]
-		if !h.live {
+		if !h.live.Load() {
 			continue
 		}
-		h.live = false
+		h.live.Store(false)
 		im.leaked.Add(1)
 		im.log.Error("share: a lease was garbage-collected without Release; releasing it now (fix the caller: its pointer was invalid from then on)",
 			"seq", h.seq, "alloc", h.a.id)
@@ -160,10 +162,10 @@ func (l *Lease) Release() {
 	im.mu.Lock()
 	defer im.mu.Unlock()
 	h := &l.st.out[l.idx]
-	if !h.live {
+	if !h.live.Load() {
 		return // never handed out, or released on the user's behalf
 	}
-	h.live = false
+	h.live.Store(false)
 	im.releaseLocked(l.a, l.seq, nil)
 }
 
@@ -235,10 +237,10 @@ func (l *Lease) ReleaseAfter(s *driver.Stream) error {
 		return nil
 	}
 	h := &l.st.out[l.idx]
-	if !h.live {
+	if !h.live.Load() {
 		return nil
 	}
-	h.live = false
+	h.live.Store(false)
 	im.releaseLocked(l.a, l.seq, r)
 	return err
 }

@@ -77,9 +77,7 @@ func (im *Importer) sendFailed(err error) {
 // releaseLocked ends a lease handed out by Next; after, if not nil, is the
 // event recorded after the lease's last use on the GPU. mu held.
 func (im *Importer) releaseLocked(a *impAlloc, seq uint64, after *relEvent) {
-	if im.held--; im.held == 0 {
-		im.notifyHeldLocked()
-	}
+	im.unholdLocked()
 	im.stats.Released++
 	if a.closed {
 		return // force-closed by Close

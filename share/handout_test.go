@@ -1,0 +1,138 @@
+//go:build linux
+
+package share_test
+
+import (
+	"errors"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/seed743c36cf/cudashare/internal/sharetest"
+	"github.com/seed743c36cf/cudashare/share"
+)
+
+// TestShutdownRacesNext: Next hands leases out without the importer's
+// lock, so Shutdown, which waits for every lease handed out, must not miss
+// one that a worker is handing out at that moment. Workers take and
+// release leases back to back while Shutdown begins, many times over: when
+// Shutdown returns, every lease Next returned has been released, and no
+// Next returns a lease after it.
+func TestShutdownRacesNext(t *testing.T) {
+	env := sharetest.Setup(t)
+	path := sharetest.SocketPath(t)
+	p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path))
+	p.Expect("LISTENING")
+	ctx := sharetest.Ctx(t)
+	const rounds, workers = 40, 4
+	for round := range rounds {
+		im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 8})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var (
+			out, taken atomic.Int64 // leases returned by Next and not yet released; in all
+			after      atomic.Bool  // Shutdown has returned
+			late       atomic.Int64 // leases Next returned after that
+			wg         sync.WaitGroup
+		)
+		for range workers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for {
+					l, err := im.Next(ctx)
+					if err != nil {
+						if !errors.Is(err, share.ErrClosed) {
+							t.Errorf("round %d: Next: %v, want ErrClosed", round, err)
+						}
+						return
+					}
+					if after.Load() {
+						late.Add(1)
+					}
+					out.Add(1)
+					taken.Add(1)
+					runtime.Gosched()
+					out.Add(-1) // before Release: Shutdown cannot have returned yet
+					l.Release()
+				}
+			}()
+		}
+		// Shutdown after a number of leases that moves from round to
+		// round, so that it begins at different points of a handoff.
+		for taken.Load() < int64(50+round*7) {
+			if err := ctx.Err(); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := im.Shutdown(ctx); err != nil {
+			t.Fatalf("round %d: Shutdown: %v", round, err)
+		}
+		n := out.Load()
+		after.Store(true)
+		wg.Wait()
+		if n != 0 || late.Load() != 0 {
+			t.Fatalf("round %d: Shutdown returned with %d leases not released; %d leases handed out after it", round, n, late.Load())
+		}
+		if st := im.Stats(); st.Held != 0 || st.Mappings != 0 || st.Leases != st.Released {
+			t.Fatalf("round %d: importer after Shutdown: %+v", round, st)
+		}
+		im.Close()
+	}
+	p.Wait()
+	var rep sharetest.ProducerReport
+	p.Report(&rep)
+	if rep.ShutdownErr != "" || rep.Stats.ConsumersLost != 0 || rep.Stats.Allocations != 0 {
+		t.Errorf("producer: %+v", rep)
+	}
+}
+
+// TestShutdownWhileHandingOut: Shutdown begins while a Next is handing a
+// lease out, after it counted the lease and before it looked whether the
+// importer had stopped. Shutdown waits for that lease; Next drops it (the
+// producer gets it back) and says the importer is closed; nothing is
+// left held or mapped.
+func TestShutdownWhileHandingOut(t *testing.T) {
+	env := sharetest.Setup(t)
+	path := sharetest.SocketPath(t)
+	p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path))
+	p.Expect("LISTENING")
+	ctx := sharetest.Ctx(t)
+	im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer im.Close()
+	shut := make(chan error, 1)
+	var once sync.Once
+	share.SetHandingOut(func() {
+		once.Do(func() {
+			go func() { shut <- im.Shutdown(ctx) }()
+			<-im.Done()
+		})
+	})
+	defer share.SetHandingOut(nil)
+	if l, err := im.Next(ctx); !errors.Is(err, share.ErrClosed) {
+		t.Fatalf("Next while Shutdown began: lease %v, error %v; want ErrClosed", l != nil, err)
+	}
+	select {
+	case err := <-shut:
+		if err != nil {
+			t.Fatalf("Shutdown: %v", err)
+		}
+	case <-time.After(sharetest.ExpectTimeout):
+		t.Fatalf("Shutdown still waits after Next dropped the lease it was handing out: %+v", im.Stats())
+	}
+	if st := im.Stats(); st.Held != 0 || st.Leases != 0 || st.Mappings != 0 {
+		t.Errorf("importer after Shutdown: %+v", st)
+	}
+	p.Wait()
+	var rep sharetest.ProducerReport
+	p.Report(&rep)
+	if rep.ShutdownErr != "" || rep.Stats.ConsumersLost != 0 || rep.Stats.Allocations != 0 {
+		t.Errorf("producer: %+v", rep)
+	}
+}
