@@ -108,10 +108,12 @@ func TestShutdownWhileHandingOut(t *testing.T) {
 	defer im.Close()
 	shut := make(chan error, 1)
 	var once sync.Once
+	var during share.ImporterStats
 	share.SetHandingOut(func() {
 		once.Do(func() {
 			go func() { shut <- im.Shutdown(ctx) }()
 			<-im.Done()
+			during = im.Stats() // the lease is counted for Shutdown, not handed out
 		})
 	})
 	defer share.SetHandingOut(nil)
@@ -126,6 +128,9 @@ func TestShutdownWhileHandingOut(t *testing.T) {
 	case <-time.After(sharetest.ExpectTimeout):
 		t.Fatalf("Shutdown still waits after Next dropped the lease it was handing out: %+v", im.Stats())
 	}
+	if during.Held != 0 || during.Leases != 0 {
+		t.Errorf("importer while Next was handing out: %+v, want nothing held or handed out", during)
+	}
 	if st := im.Stats(); st.Held != 0 || st.Leases != 0 || st.Mappings != 0 {
 		t.Errorf("importer after Shutdown: %+v", st)
 	}
@@ -135,4 +140,93 @@ func TestShutdownWhileHandingOut(t *testing.T) {
 	if rep.ShutdownErr != "" || rep.Stats.ConsumersLost != 0 || rep.Stats.Allocations != 0 {
 		t.Errorf("producer: %+v", rep)
 	}
+}
+
+// TestCloseWhileWaitingOnEvent: Close runs while a Next, which handed its
+// lease out, is about to make its stream wait on the producer's event.
+// Close must not destroy that event under it: it waits for the Next, which
+// returns its lease (whose pointer Close has made invalid, as it does any
+// lease's), not a failed wait on a destroyed event.
+func TestCloseWhileWaitingOnEvent(t *testing.T) {
+	env := sharetest.Setup(t)
+	path := sharetest.SocketPath(t)
+	p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamStream, 1))
+	p.Expect("LISTENING")
+	ctx := sharetest.Ctx(t)
+	im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer im.Close()
+	s, err := env.Ctx.NewStream(true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	closed := make(chan error, 1)
+	waits := make(chan struct{})
+	var once sync.Once
+	share.SetEventWaiting(func() {
+		once.Do(func() {
+			go func() { closed <- im.Close() }()
+			select {
+			case <-waits: // Close waits for this Next: go on
+			case err := <-closed:
+				closed <- err
+				t.Errorf("Close returned (%v), its events destroyed, while a Next was about to wait on one", err)
+			}
+		})
+	})
+	share.SetCloseWaitsForNext(func() { close(waits) })
+	defer share.SetEventWaiting(nil)
+	defer share.SetCloseWaitsForNext(nil)
+	l, err := im.NextOn(ctx, s)
+	if err != nil {
+		t.Fatalf("Next while Close ran: %v, want its lease", err)
+	}
+	if err := <-closed; err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	l.Release()
+	if st := im.Stats(); st.Held != 0 || st.Leases != 1 || st.Released != 1 || st.Mappings != 0 {
+		t.Errorf("importer after Close: %+v", st)
+	}
+	p.Wait()
+}
+
+// TestReleaseAfterClose: a lease released stream-ordered after the
+// importer's Close creates no release event: Close destroyed the others,
+// and nothing would destroy a new one.
+func TestReleaseAfterClose(t *testing.T) {
+	env := sharetest.Setup(t)
+	path := sharetest.SocketPath(t)
+	p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamStream, 1))
+	p.Expect("LISTENING")
+	ctx := sharetest.Ctx(t)
+	im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := env.Ctx.NewStream(true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	l, err := im.NextOn(ctx, s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := im.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := l.ReleaseAfter(s); err != nil {
+		t.Errorf("ReleaseAfter after Close: %v", err)
+	}
+	if n := share.ReleaseEvents(im); n != 0 {
+		t.Errorf("%d release events after Close and a ReleaseAfter, want 0", n)
+	}
+	if st := im.Stats(); st.Held != 0 || st.Released != 1 {
+		t.Errorf("importer: %+v", st)
+	}
+	p.Wait()
 }

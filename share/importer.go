@@ -129,6 +129,7 @@ type Importer struct {
 	held   atomic.Int64  // leases handed out (or being handed out) and not released
 	handed atomic.Uint64 // ImporterStats.Leases
 	direct atomic.Uint64 // ImporterStats.Direct
+	evUse  atomic.Int64  // Nexts and WaitOns that may use a producer's event without mu (closeEvents)
 }
 
 // impAlloc is an allocation this importer holds open in the registry.
@@ -233,7 +234,12 @@ func (im *Importer) Stats() ImporterStats {
 	defer im.mu.Unlock()
 	s := im.stats
 	s.Leaked = im.leaked.Load()
-	s.Leases, s.Direct, s.Held = im.handed.Load(), im.direct.Load(), int(im.held.Load())
+	// held also counts a lease being handed out, or dropped by a Next
+	// that found the importer stopping: Held is what was handed out and
+	// not released. direct first: it goes up after handed.
+	s.Direct = im.direct.Load()
+	s.Leases = im.handed.Load()
+	s.Held = int(s.Leases - s.Released)
 	for _, a := range im.allocs {
 		if !a.closed {
 			s.Mappings++
@@ -279,11 +285,21 @@ func (im *Importer) NextOn(ctx context.Context, s *driver.Stream) (*Lease, error
 	if l.err != nil {
 		return nil, l.err
 	}
+	if l.ev != nil {
+		// Close destroys the producer's events once no Next is about to
+		// wait on one (closeEvents): this one counts before handOut looks
+		// whether the importer has stopped.
+		im.evUse.Add(1)
+		defer im.evUse.Add(-1)
+	}
 	if err := im.handOut(l, direct); err != nil {
 		return nil, err
 	}
 	l.stream = s
 	if l.ev != nil {
+		if eventWaiting != nil {
+			eventWaiting() // a test closes the importer here
+		}
 		var err error
 		if s != nil {
 			err = s.WaitEvent(l.ev)
@@ -382,8 +398,10 @@ func (im *Importer) handOut(l *Lease, direct bool) error {
 }
 
 // handingOut, if set (tests only), runs in handOut between counting the
-// lease in held and looking at ending.
-var handingOut func()
+// lease in held and looking at ending; eventWaiting, in NextOn after
+// handOut, before the wait on the producer's event; closeWaitsForNext, in
+// Close when it must wait for such a Next before it destroys the events.
+var handingOut, eventWaiting, closeWaitsForNext func()
 
 // onOffer maps an offer and returns its lease (one with the error if it
 // could not be mapped; nil if the importer is shutting down).

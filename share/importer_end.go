@@ -119,6 +119,24 @@ func (im *Importer) Shutdown(ctx context.Context) error {
 	return im.close(ctx, "consumer shut down")
 }
 
+// closeEvents waits, before close destroys the producer's events, for the
+// Nexts and WaitOns that may be using one without mu: each counted itself
+// in evUse before it looked whether the importer had stopped (NextOn:
+// ending, set by endLocked; WaitOn: state, under mu), so one that did not
+// see close begin is counted here. They only queue a wait on a stream or
+// wait for the producer's GPU work: a moment.
+func (im *Importer) closeEvents() {
+	if im.evUse.Load() == 0 {
+		return
+	}
+	if closeWaitsForNext != nil {
+		closeWaitsForNext()
+	}
+	for im.evUse.Load() > 0 {
+		time.Sleep(20 * time.Microsecond)
+	}
+}
+
 // Close ends the importer without waiting for leases: every mapping is
 // closed, including those of leases not yet released (their pointers are
 // invalid from now on; their Release does nothing), the producer is told
@@ -166,6 +184,7 @@ func (im *Importer) close(ctx context.Context, reason string) error {
 	im.pushTimer.Stop()
 	<-im.recvDone
 	<-im.bgDone
+	im.closeEvents()
 	im.mu.Lock()
 	for h, ev := range im.events {
 		if cerr := ev.Close(); cerr != nil {

@@ -190,6 +190,9 @@ func (l *Lease) WaitOn(s *driver.Stream) error {
 	if l == nil || s == nil || l.ev == nil || s == l.stream {
 		return nil
 	}
+	// Close destroys the event once this is done (closeEvents).
+	l.st.im.evUse.Add(1)
+	defer l.st.im.evUse.Add(-1)
 	if err := l.unmapped(); err != nil {
 		return err // its event is closed too
 	}
@@ -224,15 +227,21 @@ func (l *Lease) ReleaseAfter(s *driver.Stream) error {
 	}
 	im.mu.Lock()
 	defer im.mu.Unlock()
-	r, err := im.releaseEventLocked(s)
-	if err == nil {
-		err = r.ev.Record(s)
+	var r *relEvent
+	var err error
+	if im.state != stateClosed {
+		r, err = im.releaseEventLocked(s)
+		if err == nil {
+			err = r.ev.Record(s)
+		}
+		if err != nil {
+			// The work cannot be ordered: wait for it here instead.
+			err = errors.Join(fmt.Errorf("share: stream-ordered release: %w", err), s.Synchronize())
+			r = nil
+		}
 	}
-	if err != nil {
-		// The work cannot be ordered: wait for it here instead.
-		err = errors.Join(fmt.Errorf("share: stream-ordered release: %w", err), s.Synchronize())
-		r = nil
-	}
+	// Else Close closed the mapping, and its release events with it: a new
+	// one would never be destroyed. Nothing is sent but the goodbye.
 	if !l.done.CompareAndSwap(false, true) {
 		return nil
 	}
