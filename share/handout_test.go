@@ -3,6 +3,7 @@
 package share_test
 
 import (
+	"context"
 	"errors"
 	"runtime"
 	"sync"
@@ -144,9 +145,10 @@ func TestShutdownWhileHandingOut(t *testing.T) {
 
 // TestCloseWhileWaitingOnEvent: Close runs while a Next, which handed its
 // lease out, is about to make its stream wait on the producer's event.
-// Close must not destroy that event under it: it waits for the Next, which
-// returns its lease (whose pointer Close has made invalid, as it does any
-// lease's), not a failed wait on a destroyed event.
+// Close returns without waiting for it and leaves the event alone: the
+// Next returns its lease (whose pointer Close has made invalid, as it does
+// any lease's), not a failed wait on a destroyed event, and then destroys
+// the producer's events itself.
 func TestCloseWhileWaitingOnEvent(t *testing.T) {
 	env := sharetest.Setup(t)
 	path := sharetest.SocketPath(t)
@@ -163,33 +165,85 @@ func TestCloseWhileWaitingOnEvent(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	closed := make(chan error, 1)
-	waits := make(chan struct{})
+	var left atomic.Bool
 	var once sync.Once
 	share.SetEventWaiting(func() {
 		once.Do(func() {
-			go func() { closed <- im.Close() }()
-			select {
-			case <-waits: // Close waits for this Next: go on
-			case err := <-closed:
-				closed <- err
-				t.Errorf("Close returned (%v), its events destroyed, while a Next was about to wait on one", err)
+			if err := im.Close(); err != nil {
+				t.Errorf("Close: %v", err)
 			}
 		})
 	})
-	share.SetCloseWaitsForNext(func() { close(waits) })
+	share.SetCloseLeavesEvents(func() { left.Store(true) })
 	defer share.SetEventWaiting(nil)
-	defer share.SetCloseWaitsForNext(nil)
+	defer share.SetCloseLeavesEvents(nil)
 	l, err := im.NextOn(ctx, s)
 	if err != nil {
 		t.Fatalf("Next while Close ran: %v, want its lease", err)
 	}
-	if err := <-closed; err != nil {
-		t.Fatalf("Close: %v", err)
+	if !left.Load() {
+		t.Errorf("Close did not leave the producer's events to the Next about to wait on one")
+	}
+	if n := share.ProducerEvents(im); n != 0 {
+		t.Errorf("%d of the producer's events open after Close and the Next, want 0", n)
 	}
 	l.Release()
 	if st := im.Stats(); st.Held != 0 || st.Leases != 1 || st.Released != 1 || st.Mappings != 0 {
 		t.Errorf("importer after Close: %+v", st)
+	}
+	p.Wait()
+}
+
+// TestShutdownBoundedWhileNextWaitsOnProducer: a Next with no stream waits
+// on the host for the producer's GPU work (here, work that does not end
+// until the test says). A Shutdown whose context ends meanwhile closes the
+// importer and returns: it does not wait for the GPU.
+func TestShutdownBoundedWhileNextWaitsOnProducer(t *testing.T) {
+	env := sharetest.Setup(t)
+	path := sharetest.SocketPath(t)
+	p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamStream, 1))
+	p.Expect("LISTENING")
+	ctx := sharetest.Ctx(t)
+	im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 2}) // no stream: the host waits
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer im.Close()
+	gpu, waiting, nextDone := make(chan struct{}), make(chan struct{}), make(chan error, 1)
+	share.SetEventWaiting(func() { close(waiting); <-gpu })
+	defer share.SetEventWaiting(nil)
+	go func() {
+		l, err := im.Next(ctx)
+		if err == nil {
+			l.Release()
+		}
+		nextDone <- err
+	}()
+	<-waiting
+	sctx, cancel := context.WithCancel(ctx)
+	cancel() // Shutdown cannot wait for the lease: it closes at once
+	shut := make(chan error, 1)
+	go func() { shut <- im.Shutdown(sctx) }()
+	select {
+	case err := <-shut:
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("Shutdown: %v, want context.Canceled", err)
+		}
+	case <-time.After(sharetest.ExpectTimeout):
+		t.Errorf("Shutdown still runs while a Next waits for the producer's GPU work")
+		close(gpu)
+		<-shut
+		return
+	}
+	if n := share.ProducerEvents(im); n == 0 {
+		t.Errorf("Close destroyed the producer's events while a Next waited on one")
+	}
+	close(gpu)
+	if err := <-nextDone; err != nil {
+		t.Errorf("Next: %v, want its lease", err)
+	}
+	if n := share.ProducerEvents(im); n != 0 {
+		t.Errorf("%d of the producer's events open once the Next is done, want 0", n)
 	}
 	p.Wait()
 }

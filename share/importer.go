@@ -125,11 +125,13 @@ type Importer struct {
 
 	// Updated by handOut without mu (see there). held goes down with mu
 	// held, and is read with mu held where it decides something.
-	ending atomic.Bool   // set by endLocked before anything else
-	held   atomic.Int64  // leases handed out (or being handed out) and not released
-	handed atomic.Uint64 // ImporterStats.Leases
-	direct atomic.Uint64 // ImporterStats.Direct
-	evUse  atomic.Int64  // Nexts and WaitOns that may use a producer's event without mu (closeEvents)
+	ending    atomic.Bool   // set by endLocked before anything else
+	held      atomic.Int64  // leases handed out (or being handed out) and not released
+	handed    atomic.Uint64 // ImporterStats.Leases
+	direct    atomic.Uint64 // ImporterStats.Direct
+	evUse     atomic.Int64  // Nexts and WaitOns that may use a producer's event without mu (useEvent)
+	evClosing atomic.Bool   // close wants the producer's events destroyed
+	evFreed   atomic.Bool   // they were (freeEvents)
 }
 
 // impAlloc is an allocation this importer holds open in the registry.
@@ -286,11 +288,11 @@ func (im *Importer) NextOn(ctx context.Context, s *driver.Stream) (*Lease, error
 		return nil, l.err
 	}
 	if l.ev != nil {
-		// Close destroys the producer's events once no Next is about to
-		// wait on one (closeEvents): this one counts before handOut looks
-		// whether the importer has stopped.
-		im.evUse.Add(1)
-		defer im.evUse.Add(-1)
+		// Close leaves the producer's events to the last Next that may
+		// wait on one (importer_end.go): this one counts before handOut
+		// looks whether the importer has stopped.
+		im.useEvent()
+		defer im.doneWithEvent()
 	}
 	if err := im.handOut(l, direct); err != nil {
 		return nil, err
@@ -399,9 +401,9 @@ func (im *Importer) handOut(l *Lease, direct bool) error {
 
 // handingOut, if set (tests only), runs in handOut between counting the
 // lease in held and looking at ending; eventWaiting, in NextOn after
-// handOut, before the wait on the producer's event; closeWaitsForNext, in
-// Close when it must wait for such a Next before it destroys the events.
-var handingOut, eventWaiting, closeWaitsForNext func()
+// handOut, before the wait on the producer's event; closeLeavesEvents, in
+// Close when it leaves the events to such a Next.
+var handingOut, eventWaiting, closeLeavesEvents func()
 
 // onOffer maps an offer and returns its lease (one with the error if it
 // could not be mapped; nil if the importer is shutting down).

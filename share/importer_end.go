@@ -119,22 +119,57 @@ func (im *Importer) Shutdown(ctx context.Context) error {
 	return im.close(ctx, "consumer shut down")
 }
 
-// closeEvents waits, before close destroys the producer's events, for the
-// Nexts and WaitOns that may be using one without mu: each counted itself
-// in evUse before it looked whether the importer had stopped (NextOn:
-// ending, set by endLocked; WaitOn: state, under mu), so one that did not
-// see close begin is counted here. They only queue a wait on a stream or
-// wait for the producer's GPU work: a moment.
-func (im *Importer) closeEvents() {
-	if im.evUse.Load() == 0 {
-		return
+// The producer's events that Next opened are destroyed by close, unless a
+// Next or WaitOn may be using one then, without mu: then by the last of
+// those, once done. Close never waits for them: one that waits on the host
+// for the producer's GPU work may take as long as that work. Each counts
+// itself in evUse (useEvent) before it looks whether the importer stopped
+// (NextOn: ending, which endLocked sets; WaitOn: state, under mu), so one
+// that did not see close begin is one that closeEvents sees in evUse.
+
+func (im *Importer) useEvent() { im.evUse.Add(1) }
+
+// doneWithEvent ends a useEvent; the last one after close began destroys
+// the events. Sequentially consistent atomics: close stores evClosing and
+// then loads evUse, this adds to evUse and then loads evClosing, so at
+// least one of them sees the other and destroys (once: freeEvents).
+func (im *Importer) doneWithEvent() {
+	if im.evUse.Add(-1) == 0 && im.evClosing.Load() {
+		if err := im.freeEvents(); err != nil {
+			im.log.Error("share: destroying the producer's events failed", "err", err)
+		}
 	}
-	if closeWaitsForNext != nil {
-		closeWaitsForNext()
+}
+
+// closeEvents, from close, destroys the producer's events now unless a
+// Next or WaitOn may be using one.
+func (im *Importer) closeEvents() error {
+	im.evClosing.Store(true)
+	if im.evUse.Load() != 0 {
+		if closeLeavesEvents != nil {
+			closeLeavesEvents()
+		}
+		return nil
 	}
-	for im.evUse.Load() > 0 {
-		time.Sleep(20 * time.Microsecond)
+	return im.freeEvents()
+}
+
+// freeEvents destroys the producer's events, once. No more are opened:
+// the connection's reading has ended.
+func (im *Importer) freeEvents() error {
+	if !im.evFreed.CompareAndSwap(false, true) {
+		return nil
 	}
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	var err error
+	for h, ev := range im.events {
+		if cerr := ev.Close(); cerr != nil {
+			err = errors.Join(err, cerr)
+		}
+		delete(im.events, h)
+	}
+	return err
 }
 
 // Close ends the importer without waiting for leases: every mapping is
@@ -184,14 +219,8 @@ func (im *Importer) close(ctx context.Context, reason string) error {
 	im.pushTimer.Stop()
 	<-im.recvDone
 	<-im.bgDone
-	im.closeEvents()
+	err = errors.Join(err, im.closeEvents())
 	im.mu.Lock()
-	for h, ev := range im.events {
-		if cerr := ev.Close(); cerr != nil {
-			err = errors.Join(err, cerr)
-		}
-		delete(im.events, h)
-	}
 	im.syncReleasesLocked()
 	for s, r := range im.relEvs {
 		if cerr := r.ev.Close(); cerr != nil {

@@ -190,9 +190,9 @@ func (l *Lease) WaitOn(s *driver.Stream) error {
 	if l == nil || s == nil || l.ev == nil || s == l.stream {
 		return nil
 	}
-	// Close destroys the event once this is done (closeEvents).
-	l.st.im.evUse.Add(1)
-	defer l.st.im.evUse.Add(-1)
+	// Close leaves the event to be destroyed once this is done.
+	l.st.im.useEvent()
+	defer l.st.im.doneWithEvent()
 	if err := l.unmapped(); err != nil {
 		return err // its event is closed too
 	}
