@@ -176,7 +176,10 @@ func (im *Importer) freeEvents() error {
 // closed, including those of leases not yet released (their pointers are
 // invalid from now on; their Release does nothing), the producer is told
 // goodbye (Close waits at most a second for it to read it and hang up) and
-// the connection is closed. Close is idempotent.
+// the connection is closed. Close never waits for GPU work: a Next that is
+// waiting on the producer's event meanwhile returns its lease, invalid like
+// the others, and the producer's events are destroyed once it is done.
+// Close is idempotent.
 func (im *Importer) Close() error {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	defer cancel()
