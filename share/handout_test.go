@@ -23,10 +23,9 @@ import (
 // Next returns a lease after it.
 func TestShutdownRacesNext(t *testing.T) {
 	env := sharetest.Setup(t)
-	path := sharetest.SocketPath(t)
-	p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path))
-	p.Expect("LISTENING")
 	ctx := sharetest.Ctx(t)
+	p, first, path := startAndDial(t, env, false)
+	first.Close()
 	const rounds, workers = 40, 4
 	for round := range rounds {
 		im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 8})
@@ -83,12 +82,7 @@ func TestShutdownRacesNext(t *testing.T) {
 		}
 		im.Close()
 	}
-	p.Wait()
-	var rep sharetest.ProducerReport
-	p.Report(&rep)
-	if rep.ShutdownErr != "" || rep.Stats.ConsumersLost != 0 || rep.Stats.Allocations != 0 {
-		t.Errorf("producer: %+v", rep)
-	}
+	waitProducerClean(t, p)
 }
 
 // TestShutdownWhileHandingOut: Shutdown begins while a Next is handing a
@@ -98,15 +92,8 @@ func TestShutdownRacesNext(t *testing.T) {
 // left held or mapped.
 func TestShutdownWhileHandingOut(t *testing.T) {
 	env := sharetest.Setup(t)
-	path := sharetest.SocketPath(t)
-	p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path))
-	p.Expect("LISTENING")
 	ctx := sharetest.Ctx(t)
-	im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer im.Close()
+	p, im, _ := startAndDial(t, env, false)
 	shut := make(chan error, 1)
 	var once sync.Once
 	var during share.ImporterStats
@@ -135,12 +122,7 @@ func TestShutdownWhileHandingOut(t *testing.T) {
 	if st := im.Stats(); st.Held != 0 || st.Leases != 0 || st.Mappings != 0 {
 		t.Errorf("importer after Shutdown: %+v", st)
 	}
-	p.Wait()
-	var rep sharetest.ProducerReport
-	p.Report(&rep)
-	if rep.ShutdownErr != "" || rep.Stats.ConsumersLost != 0 || rep.Stats.Allocations != 0 {
-		t.Errorf("producer: %+v", rep)
-	}
+	waitProducerClean(t, p)
 }
 
 // TestCloseWhileWaitingOnEvent: Close runs while a Next, which handed its
@@ -151,15 +133,8 @@ func TestShutdownWhileHandingOut(t *testing.T) {
 // the producer's events itself.
 func TestCloseWhileWaitingOnEvent(t *testing.T) {
 	env := sharetest.Setup(t)
-	path := sharetest.SocketPath(t)
-	p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamStream, 1))
-	p.Expect("LISTENING")
 	ctx := sharetest.Ctx(t)
-	im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer im.Close()
+	p, im, _ := startAndDial(t, env, true)
 	s, err := env.Ctx.NewStream(true)
 	if err != nil {
 		t.Fatal(err)
@@ -200,15 +175,8 @@ func TestCloseWhileWaitingOnEvent(t *testing.T) {
 // importer and returns: it does not wait for the GPU.
 func TestShutdownBoundedWhileNextWaitsOnProducer(t *testing.T) {
 	env := sharetest.Setup(t)
-	path := sharetest.SocketPath(t)
-	p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamStream, 1))
-	p.Expect("LISTENING")
 	ctx := sharetest.Ctx(t)
-	im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 2}) // no stream: the host waits
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer im.Close()
+	p, im, _ := startAndDial(t, env, true)
 	gpu, waiting, nextDone := make(chan struct{}), make(chan struct{}), make(chan error, 1)
 	share.SetEventWaiting(func() { close(waiting); <-gpu })
 	defer share.SetEventWaiting(nil)
@@ -253,14 +221,8 @@ func TestShutdownBoundedWhileNextWaitsOnProducer(t *testing.T) {
 // and nothing would destroy a new one.
 func TestReleaseAfterClose(t *testing.T) {
 	env := sharetest.Setup(t)
-	path := sharetest.SocketPath(t)
-	p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamStream, 1))
-	p.Expect("LISTENING")
 	ctx := sharetest.Ctx(t)
-	im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
+	p, im, _ := startAndDial(t, env, true)
 	s, err := env.Ctx.NewStream(true)
 	if err != nil {
 		t.Fatal(err)
@@ -283,4 +245,35 @@ func TestReleaseAfterClose(t *testing.T) {
 		t.Errorf("importer: %+v", st)
 	}
 	p.Wait()
+}
+
+// startAndDial starts the test producer, offering with events if events,
+// and dials it with 2 credits; the importer is closed at the test's end.
+func startAndDial(t *testing.T, env *sharetest.Env, events bool) (*sharetest.Child, *share.Importer, string) {
+	t.Helper()
+	path := sharetest.SocketPath(t)
+	params := []string{sharetest.EnvParam(sharetest.ParamPath, path)}
+	if events {
+		params = append(params, sharetest.EnvParam(sharetest.ParamStream, 1))
+	}
+	p := sharetest.Start(t, "producer", params...)
+	p.Expect("LISTENING")
+	im, err := share.Dial(sharetest.Ctx(t), path, env.Ctx, share.ImporterConfig{Credits: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { im.Close() })
+	return p, im, path
+}
+
+// waitProducerClean ends the test producer and checks that it shut down
+// with every allocation freed and no consumer lost.
+func waitProducerClean(t *testing.T, p *sharetest.Child) {
+	t.Helper()
+	p.Wait()
+	var rep sharetest.ProducerReport
+	p.Report(&rep)
+	if rep.ShutdownErr != "" || rep.Stats.ConsumersLost != 0 || rep.Stats.Allocations != 0 {
+		t.Errorf("producer: %+v", rep)
+	}
 }
