@@ -123,7 +123,8 @@ type Importer struct {
 	stats     ImporterStats                // but for the counters below
 	byeWhy    string
 
-	// Updated by handOut without mu (see there). held goes down with mu
+	// Updated without mu: by handOut (see there), and around the uses of
+	// the producer's events (importer_end.go). held goes down with mu
 	// held, and is read with mu held where it decides something.
 	ending    atomic.Bool   // set by endLocked before anything else
 	held      atomic.Int64  // leases handed out (or being handed out) and not released
