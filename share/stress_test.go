@@ -329,32 +329,48 @@ func (s *stressRun) ok(err error, short bool) bool {
 	return false
 }
 
+// takeAndOffer takes a buffer (take: nil, nil when there is none to take
+// now) and offers it, each under an operation context of its own. It
+// returns the buffer (nil: none taken) and the Offer's error, a tolerated
+// one; ok is false once the run failed, the buffer freed.
+func (s *stressRun) takeAndOffer(rng *rand.Rand, what string, take func(context.Context) (*share.Buffer, error)) (b *share.Buffer, offerErr error, ok bool) {
+	c, cancel, short := s.opCtx(rng)
+	b, err := take(c)
+	cancel()
+	if !s.ok(err, short) {
+		s.fail(what, err)
+		return nil, nil, false
+	}
+	if b == nil {
+		return nil, nil, true
+	}
+	c, cancel, short = s.opCtx(rng)
+	err = s.e.Offer(c, b, share.OfferOptions{})
+	cancel()
+	if !s.ok(err, short) {
+		s.fail("Offer after "+what, err)
+		b.Free()
+		return nil, nil, false
+	}
+	return b, err, true
+}
+
 // arenaLoop runs goroutine g: alloc (nil, nil: try again), Offer,
 // sometimes WaitOn, Free.
 func (s *stressRun) arenaLoop(wg *sync.WaitGroup, g int, alloc func(context.Context, *rand.Rand) (*share.Buffer, error)) {
 	wg.Go(func() {
 		rng := rand.New(rand.NewPCG(uint64(g), 1))
+		take := func(c context.Context) (*share.Buffer, error) { return alloc(c, rng) }
 		for s.running() {
-			c, cancel, short := s.opCtx(rng)
-			b, err := alloc(c, rng)
-			cancel()
-			if !s.ok(err, short) {
-				s.fail("Alloc", err)
+			b, err, ok := s.takeAndOffer(rng, "Alloc", take)
+			if !ok {
 				return
 			}
 			if b == nil {
 				continue
 			}
-			c, cancel, short = s.opCtx(rng)
-			err = s.e.Offer(c, b, share.OfferOptions{})
-			cancel()
-			if !s.ok(err, short) {
-				s.fail("Offer (arena)", err)
-				b.Free()
-				return
-			}
 			if err == nil && rng.IntN(2) == 0 {
-				c, cancel, short = s.opCtx(rng)
+				c, cancel, short := s.opCtx(rng)
 				err = b.WaitOn(c, nil)
 				cancel()
 				if !s.ok(err, short) {
@@ -374,23 +390,12 @@ func (s *stressRun) ringLoop(wg *sync.WaitGroup, r *share.Ring) {
 	wg.Go(func() {
 		rng := rand.New(rand.NewPCG(99, 1))
 		for s.running() {
-			c, cancel, short := s.opCtx(rng)
-			b, err := r.Acquire(c)
-			cancel()
-			if !s.ok(err, short) {
-				s.fail("Acquire", err)
+			b, err, ok := s.takeAndOffer(rng, "Acquire", r.Acquire)
+			if !ok {
 				return
 			}
 			if b == nil {
 				continue
-			}
-			c, cancel, short = s.opCtx(rng)
-			err = s.e.Offer(c, b, share.OfferOptions{})
-			cancel()
-			if !s.ok(err, short) {
-				s.fail("Offer (ring)", err)
-				b.Free()
-				return
 			}
 			if err != nil {
 				b.Free()
