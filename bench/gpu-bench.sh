@@ -5,7 +5,7 @@
 # root, after scripts/gpu-test has built the binaries into .gpu/bin here:
 #
 #   bash bench/gpu-bench.sh [-seconds N] [-read-size SIZE] [-workers N]
-#                           [-rows REGEX] [-sharing "ipc vmm"] [-no-costs]
+#                           [-rows REGEX] [-sharing "ipc vmm"] [-no-costs] [-no-mps]
 #   (with the device tool: run(command="bash bench/gpu-bench.sh -seconds 3", carry=[".gpu"]))
 #
 # Rows, each run for about -seconds (default 5); "same GPU" rows, then with
@@ -49,6 +49,16 @@
 #              free, for both paths (8 MiB: a ring's allocation; 512 MiB: an
 #              arena's), and the first offer (Dial to first lease) of a ring
 #              and an arena (-no-costs leaves them out).
+#   mps        on the real driver, where nvidia-cuda-mps-control is, the one-GPU
+#              rows whose two processes both queue GPU work again under an MPS
+#              daemon of the benchmark's own (labels ending -mps before the
+#              sharing path): the limit with a copy, -verify byte and async
+#              on the ring of 8, torch.multiprocessing and the Python consumer
+#              with torch. Without MPS the two processes' contexts take turns
+#              on the GPU; under MPS they share it. The daemon has a private
+#              pipe directory (a daemon the machine already runs is neither
+#              used nor stopped), is quit at the end and changes no setting
+#              of the GPU; -no-mps leaves these rows out.
 #   read test  a consumer copies a whole shared buffer (default 1 GiB) against
 #              a local one on the same GPU.
 # -rows REGEX runs only the rows whose label matches (bash =~, e.g.
@@ -58,7 +68,8 @@
 # JSON lines go to $OUT/bench.jsonl, logs to $OUT/*.log, the markdown table
 # (bench/report.py) to $OUT/bench.md, printed last, with IPC and VMM side by
 # side. Exit 1 if any row failed (a skipped row is not a failure).
-# About 4 minutes at -seconds 3 on one GPU (42 rows), 7.5 on two (82).
+# About 4 minutes at -seconds 3 on one GPU (42 rows), 7.5 on two (82), and
+# about a minute more for the rows under MPS.
 #
 # Without a GPU (or with CUDASHARE_DRIVER=sim) it runs on the simulated driver, with
 # -seconds 2 and a 64 MiB read test unless told otherwise, so that its plumbing
@@ -67,16 +78,17 @@ set -uo pipefail
 
 cd "$(dirname "$0")/.."
 cmdline="bash bench/gpu-bench.sh${*:+ $*}"
-secs= read_size= workers=2 rows= sharings="ipc vmm" costs=yes
+secs= read_size= workers=2 rows= sharings="ipc vmm" costs=yes mps=yes
 while [ $# -gt 0 ]; do
 	case $1 in
 	-seconds) secs=$2; shift 2 ;;
 	-rows) rows=$2; shift 2 ;;
 	-sharing) sharings=$2; shift 2 ;;
 	-no-costs) costs=no; shift ;;
+	-no-mps) mps=no; shift ;;
 	-read-size) read_size=$2; shift 2 ;;
 	-workers) workers=$2; shift 2 ;;
-	-h | -help | --help) sed -n '2,59p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+	-h | -help | --help) sed -n '2,72p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
 	*) echo "gpu-bench: unknown argument $1 (-h for help)" >&2; exit 2 ;;
 	esac
 done
@@ -85,7 +97,14 @@ OUT=${OUT:-$(mktemp -d /tmp/gpu-bench.XXXXXX)}
 mkdir -p "$OUT"
 : >"$OUT/bench.jsonl"
 work=$(mktemp -d /tmp/cudashare-bench.XXXXXX) # mode 0700: the socket's directory
-trap 'rm -rf "$work"' EXIT
+mpsup=no
+# stop_mps quits the MPS daemon this script started, if it did.
+stop_mps() {
+	[ "$mpsup" = yes ] || return 0
+	mpsup=no
+	echo quit | CUDA_MPS_PIPE_DIRECTORY=$work/mps/pipe timeout -k 5 30 nvidia-cuda-mps-control >/dev/null 2>&1
+}
+trap 'stop_mps; rm -rf "$work"' EXIT
 
 # The binaries: CUDASHARE_BIN_DIR, else .gpu/bin, else built here if Go is.
 BIN=${CUDASHARE_BIN_DIR:-.gpu/bin}
@@ -153,6 +172,8 @@ group=no
 
 failed=0
 sock=$work/bench.sock
+# runmeta: KEY=VALUE pairs every row's JSON line gets (mps=true under MPS).
+runmeta=()
 # want LABEL: is the row selected by -rows?
 want() { [ -z "$rows" ] || [[ $1 =~ $rows ]]; }
 # report ...: bench/report.py appends the row's JSON line to bench.jsonl and
@@ -184,7 +205,7 @@ tool() {
 	echo "== $label"
 	timeout -k 10 $((secs * 4 + 180)) "$@" >"$OUT/$label.json" 2>"$OUT/$label.log"
 	local rc=$?
-	report tool "$label" "$OUT/$label.json" "$rc" "${meta[@]}"
+	report tool "$label" "$OUT/$label.json" "$rc" "${meta[@]}" "${runmeta[@]}"
 	case $rc in
 	0 | 3) ;; # 3: skipped, and report said why
 	*) fail_tail "exit $rc" "$OUT/$label.log" ;;
@@ -214,7 +235,7 @@ pair() {
 	local label=$1 dev=$2 cdev=$3 gwork=$4 cr=$5 sh=$6 cimpl=$7
 	shift 7
 	want "$label" || return 0
-	local meta=() ccmd=()
+	local meta=("${runmeta[@]}") ccmd=()
 	while [ "$1" != -- ]; do meta+=("$1"); shift; done
 	shift
 	while [ "$1" != -- ]; do ccmd+=("$1"); shift; done
@@ -360,6 +381,53 @@ if [ $costs = yes ]; then
 		python3 bench/report.py costs "$label" "$OUT/$label.jsonl" "$rc" >>"$OUT/bench.jsonl"
 		[ $rc = 0 ] || fail_tail "exit $rc" "$OUT/$label.log"
 	done
+fi
+
+# Under MPS: the one-GPU rows whose two processes both queue GPU work. Without
+# MPS the GPU runs one process's context at a time, and each batch crosses from
+# the producer's to the consumer's and back (bench/RESULTS.md: 12k-16k/s with a
+# copy per batch, where one process does 115k-124k); an MPS daemon runs both
+# processes' work in one context. What a user with one GPU would run.
+mpsrows=(limit-gpu00-copy-1MiB-mps torch-ring-gpu00-mps)
+for sh in $sharings; do
+	mpsrows+=("cudashare-ring-gpu00-verify-byte-mps-$sh" "cudashare-ring-gpu00-verify-async-mps-$sh" "python-ring-gpu00-torch-mps-$sh")
+done
+mpswant=no
+for l in "${mpsrows[@]}"; do want "$l" && mpswant=yes; done
+if [ $mps = yes ] && [ $mpswant = yes ]; then
+	if [ "$driver" != cuda ]; then
+		skip mps-gpu00 "the $driver driver: MPS rows need the real driver" device=0 consumer_device=0
+	elif ! command -v nvidia-cuda-mps-control >/dev/null; then
+		skip mps-gpu00 "no nvidia-cuda-mps-control on this machine" device=0 consumer_device=0
+	else
+		mkdir -p "$work/mps/pipe" "$work/mps/log"
+		echo "== MPS: starting a daemon of our own (pipe directory $work/mps/pipe)"
+		if CUDA_MPS_PIPE_DIRECTORY=$work/mps/pipe CUDA_MPS_LOG_DIRECTORY=$work/mps/log nvidia-cuda-mps-control -d; then
+			mpsup=yes
+			export CUDA_MPS_PIPE_DIRECTORY=$work/mps/pipe CUDA_MPS_LOG_DIRECTORY=$work/mps/log
+			runmeta=(mps=true)
+			tool limit-gpu00-copy-1MiB-mps -- "$BIN/limit" -device 0 -consumer-device 0 -ring 8 -size 1MiB -copy=true -seconds "$secs" -json
+			ours cudashare-ring-gpu00-verify-byte-mps 0 0 "$workers" 8 byte fill -- -ring 8 -size 1MiB
+			if [ $async = yes ]; then
+				ours cudashare-ring-gpu00-verify-async-mps 0 0 "$workers" 8 async fill+copy -- -ring 8 -size 1MiB
+			fi
+			tool torch-ring-gpu00-mps in_flight=8 gpu_work=fill -- python3 bench/torch_mp.py --seconds "$secs" --mode ring --size 1MiB --ring 8 --device 0 --consumer-device 0
+			if [ $pymsgpack = yes ]; then
+				for sh in $sharings; do
+					pair "python-ring-gpu00-torch-mps-$sh" 0 0 fill+torch 8 "$sh" python+torch impl=cudashare-python+torch workers=1 credits=8 -- \
+						"${PYCS[@]}" python3 bench/py_consumer.py --socket "$sock" --device 0 --wait 60 --credits 8 --work sum \
+						-- -ring 8 -size 1MiB
+				done
+			fi
+			runmeta=()
+			stop_mps
+			unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+			cp "$work"/mps/log/*.log "$OUT/" 2>/dev/null
+			for f in "$OUT"/control.log "$OUT"/server.log; do [ -f "$f" ] && mv "$f" "${f%.log}.mps.log"; done
+		else
+			skip mps-gpu00 "nvidia-cuda-mps-control -d failed (another daemon in charge of the GPUs, or a compute mode that forbids it)" device=0 consumer_device=0
+		fi
+	fi
 fi
 
 if [ "$ngpus" -lt 2 ] && want across-gpus; then

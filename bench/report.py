@@ -214,6 +214,11 @@ def bufs(r):
 
 
 def work(r):
+    """The GPU work per batch of row r, and whether it ran under MPS."""
+    return what_work(r) + (", under MPS" if r.get("mps") else "")
+
+
+def what_work(r):
     impl = r.get("impl")
     if impl == "floor":
         return "%s B out, %s B back" % (r.get("msg_bytes", 96), r.get("ack_bytes", 16))
@@ -285,10 +290,9 @@ def table(path, env=None):
         return r.get("handoffs_per_s") and not r.get("error") and not r.get("skipped")
 
     floor = {r.get("window"): r["handoffs_per_s"] for r in rows if r.get("impl") == "floor" and ok(r)}
-    limit = {(r.get("gpu_work"), r.get("size"), r.get("device"), r.get("consumer_device")): r
-             for r in rows if r.get("impl") == "limit" and ok(r)}
-    torch = {(r.get("mode"), r.get("size"), r.get("device"), r.get("consumer_device")): r["handoffs_per_s"]
-             for r in rows if r.get("impl") == "torch.multiprocessing" and ok(r)}
+    # Rows under MPS are judged against the limit and torch under MPS.
+    limit = {limit_key(r): r for r in rows if r.get("impl") == "limit" and ok(r)}
+    torch = {torch_key(r): r["handoffs_per_s"] for r in rows if r.get("impl") == "torch.multiprocessing" and ok(r)}
 
     print("| row | impl | buffers | GPUs | GPU work per batch | in flight | handoffs/s | p50 µs | p99 µs | CPU µs P / C "
           "| x floor | x limit | x torch |")
@@ -319,16 +323,16 @@ def table(path, env=None):
             fl = floor.get(in_flight(r))
             if fl and rate:
                 xf = ratio(rate / fl)
-            lm = limit.get((r.get("gpu_work"), r.get("size"), r.get("device"), r.get("consumer_device")))
+            lm = limit.get(limit_key(r))
             if lm and rate and r.get("gpu_work") in ("fill", "fill+copy"):
                 xl = ratio(rate / lm["handoffs_per_s"])
         if impl not in ("floor", "torch.multiprocessing"):
-            t = torch.get((r.get("mode"), r.get("size"), r.get("device"), r.get("consumer_device")))
+            t = torch.get(torch_key(r))
             if t and rate:
                 xt = ratio(rate / t)
                 if impl == "cudashare-python+torch" and r.get("mode") == "ring":
-                    targets.append("%s: %s torch (target >= %.0fx): %s" % (r["row"], xt, PY_TORCH_TARGET,
-                                                                          met(rate / t >= PY_TORCH_TARGET)))
+                    targets.append("%s: %s torch%s (target >= %.0fx): %s" % (r["row"], xt, under_mps(r), PY_TORCH_TARGET,
+                                                                            met(rate / t >= PY_TORCH_TARGET)))
         if impl == "cudashare":
             targets += hot_path_targets(r, rate, floor, limit, rows, ok)
         cells += [fmt(rate), fmt(r.get("p50_us"), 1), fmt(r.get("p99_us"), 1), cpu(r), xf, xl, xt]
@@ -372,6 +376,22 @@ def table(path, env=None):
         print("- " + n)
 
 
+def limit_key(r):
+    """The limit row a row is judged against: same GPU work, buffer size,
+    GPUs, and MPS or not."""
+    return (r.get("gpu_work"), r.get("size"), r.get("device"), r.get("consumer_device"), bool(r.get("mps")))
+
+
+def torch_key(r):
+    """The torch.multiprocessing row a row is compared with: same mode,
+    size, GPUs, and MPS or not."""
+    return (r.get("mode"), r.get("size"), r.get("device"), r.get("consumer_device"), bool(r.get("mps")))
+
+
+def under_mps(r):
+    return " under MPS" if r.get("mps") else ""
+
+
 def met(good):
     return "met" if good else "MISSED"
 
@@ -404,10 +424,10 @@ def hot_path_targets(r, rate, floor, limit, rows, ok):
     if r.get("verify") == "async" and r.get("mode") == "ring":
         if r.get("device") == r.get("consumer_device"):
             x = rate / ORDERED_BASE
-            out.append("%s: %.1fx the issue's %s/s (target >= %dx on one GPU): %s" % (
-                label, x, fmt(ORDERED_BASE), ORDERED_SAME_GPU_TARGET, met(x >= ORDERED_SAME_GPU_TARGET)))
+            out.append("%s: %.1fx the issue's %s/s%s (target >= %dx on one GPU): %s" % (
+                label, x, fmt(ORDERED_BASE), under_mps(r), ORDERED_SAME_GPU_TARGET, met(x >= ORDERED_SAME_GPU_TARGET)))
         else:
-            lm = limit.get((r.get("gpu_work"), r.get("size"), r.get("device"), r.get("consumer_device")))
+            lm = limit.get(limit_key(r))
             if lm:
                 x = rate / lm["handoffs_per_s"]
                 out.append("%s: %.3f of the one-process limit (target >= %.2f across GPUs): %s" % (
@@ -456,7 +476,7 @@ def sharing_table(rows, torch, ok):
                 continue
             rates.append(r["handoffs_per_s"])
             p99s.append(fmt(r.get("p99_us"), 1))
-            t = torch.get((r.get("mode"), r.get("size"), r.get("device"), r.get("consumer_device")))
+            t = torch.get(torch_key(r))
             xts.append(ratio(r["handoffs_per_s"] / t) if t else "-")
         rel = ratio(rates[1] / rates[0]) if rates[0] and rates[1] else "-"
         def cell(i):
