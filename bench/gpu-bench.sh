@@ -20,7 +20,7 @@
 #              -sharing ipc (legacy CUDA IPC) and -sharing vmm (VMM
 #              allocations sent as fds), labels ending -ipc and -vmm: the
 #              handoff alone (-fill=false, -verify none) with credits 1/1
-#              worker, 8/1, 8/2, ring 64 credits 64 4 workers, and fresh
+#              worker, 8/1, 8/2, ring 64 credits 64 4 workers and 1, and fresh
 #              64 MiB from an arena, the messages through the shared-memory
 #              rings (the default), and credits 1, 8 and ring 64 again with
 #              the producer's -shm=false (labels with -socket): the messages
@@ -289,6 +289,9 @@ for pair in "${pairs[@]}"; do
 	ours "cudashare-ring-$g-handoff-c8-w1" "$d" "$c" 1 8 none none -- -ring 8 -size 1MiB -fill=false
 	ours "cudashare-ring-$g-handoff-c8-w2" "$d" "$c" 2 8 none none -- -ring 8 -size 1MiB -fill=false
 	ours "cudashare-ring64-$g-handoff-c64-w4" "$d" "$c" 4 64 none none -- -ring 64 -size 1MiB -fill=false
+	# With no work per batch, 4 workers contend for the importer's lock
+	# (bench/RESULTS.md): the same ring with 1.
+	ours "cudashare-ring64-$g-handoff-c64-w1" "$d" "$c" 1 64 none none -- -ring 64 -size 1MiB -fill=false
 	ours "cudashare-fresh-$g-handoff-c64-w4" "$d" "$c" 4 64 none none -- -fresh -ring 64 -size 64MiB -fill=false
 	# The same with the messages on the socket, for comparison: the
 	# producer does not offer the shared-memory rings.
