@@ -267,6 +267,25 @@ pair() {
 	fi
 }
 
+# torch_ring LABEL DEVICE CONSUMER_DEVICE: torch.multiprocessing, ring of 8 x 1 MiB.
+torch_ring() {
+	tool "$1" in_flight=8 gpu_work=fill -- python3 bench/torch_mp.py --seconds "$secs" --mode ring --size 1MiB --ring 8 --device "$2" --consumer-device "$3"
+}
+
+# py_torch LABEL DEVICE CONSUMER_DEVICE SHARING: the Python consumer with
+# torch work per batch and stream-ordered release (bench/py_consumer.py).
+py_torch() {
+	local label=$1 d=$2 c=$3 sh=$4
+	if [ $pymsgpack = no ]; then
+		want "$label" && skip "$label" "no msgpack for python3" impl=cudashare-python+torch sharing="$sh" mode=ring ring=8 size=$MiB \
+			device="$d" consumer_device="$c" in_flight=8 gpu_work=fill+torch
+		return 0
+	fi
+	pair "$label" "$d" "$c" fill+torch 8 "$sh" python+torch impl=cudashare-python+torch workers=1 credits=8 -- \
+		"${PYCS[@]}" python3 bench/py_consumer.py --socket "$sock" --device "$c" --wait 60 --credits 8 --work sum \
+		-- -ring 8 -size 1MiB
+}
+
 # The floor: no GPU, so once.
 for win in 1 8 64; do
 	tool "floor-window$win" -- "$BIN/floor" -window "$win" -seconds "$secs" -json
@@ -343,7 +362,7 @@ for pair in "${pairs[@]}"; do
 		tool "cupy-ring-$g-verify-$v" in_flight=8 -- python3 bench/cupy_ipc.py --seconds "$secs" --ring 8 --size 1MiB \
 			--verify "$v" --device "$d" --consumer-device "$c"
 	done
-	tool "torch-ring-$g" in_flight=8 gpu_work=fill -- python3 bench/torch_mp.py --seconds "$secs" --mode ring --size 1MiB --ring 8 --device "$d" --consumer-device "$c"
+	torch_ring "torch-ring-$g" "$d" "$c"
 	tool "torch-fresh-$g" in_flight=8 gpu_work=fill -- python3 bench/torch_mp.py --seconds "$secs" --mode fresh --size 64MiB --ring 8 --device "$d" --consumer-device "$c"
 
 	# The Python consumer (python/), ring of 8 x 1 MiB, credits 8, both paths:
@@ -359,15 +378,7 @@ for pair in "${pairs[@]}"; do
 				"${PYCS[@]}" python3 -m cudashare consume --socket "$sock" --device "$c" --wait 60 --verify none \
 				--workers 1 --credits 8 -- -ring 8 -size 1MiB -fill=false
 		fi
-		label="python-ring-$g-torch-$sh"
-		if [ $pymsgpack = no ]; then
-			want "$label" && skip "$label" "no msgpack for python3" impl=cudashare-python+torch sharing="$sh" mode=ring ring=8 size=$MiB \
-				device="$d" consumer_device="$c" in_flight=8 gpu_work=fill+torch
-		else
-			pair "$label" "$d" "$c" fill+torch 8 "$sh" python+torch impl=cudashare-python+torch workers=1 credits=8 -- \
-				"${PYCS[@]}" python3 bench/py_consumer.py --socket "$sock" --device "$c" --wait 60 --credits 8 --work sum \
-				-- -ring 8 -size 1MiB
-		fi
+		py_torch "python-ring-$g-torch-$sh" "$d" "$c" "$sh"
 	done
 done
 
@@ -414,19 +425,14 @@ if [ $mps = yes ] && [ $mpswant = yes ]; then
 			if [ $async = yes ]; then
 				ours cudashare-ring-gpu00-verify-async-mps 0 0 "$workers" 8 async fill+copy -- -ring 8 -size 1MiB
 			fi
-			tool torch-ring-gpu00-mps in_flight=8 gpu_work=fill -- python3 bench/torch_mp.py --seconds "$secs" --mode ring --size 1MiB --ring 8 --device 0 --consumer-device 0
-			if [ $pymsgpack = yes ]; then
-				for sh in $sharings; do
-					pair "python-ring-gpu00-torch-mps-$sh" 0 0 fill+torch 8 "$sh" python+torch impl=cudashare-python+torch workers=1 credits=8 -- \
-						"${PYCS[@]}" python3 bench/py_consumer.py --socket "$sock" --device 0 --wait 60 --credits 8 --work sum \
-						-- -ring 8 -size 1MiB
-				done
-			fi
+			torch_ring torch-ring-gpu00-mps 0 0
+			for sh in $sharings; do
+				py_torch "python-ring-gpu00-torch-mps-$sh" 0 0 "$sh"
+			done
 			runmeta=()
 			stop_mps
 			unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-			cp "$work"/mps/log/*.log "$OUT/" 2>/dev/null
-			for f in "$OUT"/control.log "$OUT"/server.log; do [ -f "$f" ] && mv "$f" "${f%.log}.mps.log"; done
+			for f in "$work"/mps/log/*.log; do [ -f "$f" ] && cp "$f" "$OUT/mps-${f##*/}"; done
 		else
 			skip mps-gpu00 "nvidia-cuda-mps-control -d failed (another daemon in charge of the GPUs, or a compute mode that forbids it)" device=0 consumer_device=0
 		fi
