@@ -283,3 +283,24 @@ func (e *Exporter) Close() error {
 	})
 	return errors.Join(errs...)
 }
+
+// blockersLocked describes what keeps a retirement from finishing.
+func (e *Exporter) blockersLocked(recs []*allocRec) error {
+	var errs []error
+	for _, rec := range recs {
+		if rec.state == recFreed {
+			continue
+		}
+		for c := range rec.mappers {
+			m := c.allocs[rec]
+			switch {
+			case m == nil:
+			case c.ended:
+				errs = append(errs, fmt.Errorf("allocation %d may still be mapped by %s, lost without a goodbye (%d lease(s))", rec.id, c.peer.String(), m.leases))
+			default:
+				errs = append(errs, fmt.Errorf("allocation %d is still mapped by %s (%d lease(s), retire sent: %v)", rec.id, c.peer.String(), m.leases, m.retireSent))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
