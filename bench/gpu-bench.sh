@@ -52,13 +52,15 @@
 #   mps        on the real driver, where nvidia-cuda-mps-control is, the one-GPU
 #              rows whose two processes both queue GPU work again under an MPS
 #              daemon of the benchmark's own (labels ending -mps before the
-#              sharing path): the limit with a copy, -verify byte and async
-#              on the ring of 8, torch.multiprocessing and the Python consumer
-#              with torch. Without MPS the two processes' contexts take turns
-#              on the GPU; under MPS they share it. The daemon has a private
-#              pipe directory (a daemon the machine already runs is neither
-#              used nor stopped), is quit at the end and changes no setting
-#              of the GPU; -no-mps leaves these rows out.
+#              sharing path): the limits, -verify byte and async on the ring
+#              of 8, torch.multiprocessing and the Python consumer with torch.
+#              Without MPS the two processes' contexts take turns on the GPU;
+#              under MPS they share it. The daemon has a private pipe
+#              directory (these rows do not use a daemon the machine already
+#              runs, nor stop it), is quit at the end and changes no setting
+#              of the GPU; a client is first checked to get an MPS server (one
+#              that cannot reach the daemon runs without MPS, silently), else
+#              one skipped row says why. -no-mps leaves these rows out.
 #   read test  a consumer copies a whole shared buffer (default 1 GiB) against
 #              a local one on the same GPU.
 # -rows REGEX runs only the rows whose label matches (bash =~, e.g.
@@ -68,8 +70,8 @@
 # JSON lines go to $OUT/bench.jsonl, logs to $OUT/*.log, the markdown table
 # (bench/report.py) to $OUT/bench.md, printed last, with IPC and VMM side by
 # side. Exit 1 if any row failed (a skipped row is not a failure).
-# About 4 minutes at -seconds 3 on one GPU (42 rows), 7.5 on two (82), and
-# about a minute more for the rows under MPS.
+# About 6.5 minutes at -seconds 2 on two GPUs (107 rows, 9 of them under
+# MPS, and the costs).
 #
 # Without a GPU (or with CUDASHARE_DRIVER=sim) it runs on the simulated driver, with
 # -seconds 2 and a 64 MiB read test unless told otherwise, so that its plumbing
@@ -88,7 +90,7 @@ while [ $# -gt 0 ]; do
 	-no-mps) mps=no; shift ;;
 	-read-size) read_size=$2; shift 2 ;;
 	-workers) workers=$2; shift 2 ;;
-	-h | -help | --help) sed -n '2,72p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+	-h | -help | --help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
 	*) echo "gpu-bench: unknown argument $1 (-h for help)" >&2; exit 2 ;;
 	esac
 done
@@ -102,7 +104,9 @@ mpsup=no
 stop_mps() {
 	[ "$mpsup" = yes ] || return 0
 	mpsup=no
-	echo quit | CUDA_MPS_PIPE_DIRECTORY=$work/mps/pipe timeout -k 5 30 nvidia-cuda-mps-control >/dev/null 2>&1
+	if ! echo quit | CUDA_MPS_PIPE_DIRECTORY=$work/mps/pipe timeout -k 5 30 nvidia-cuda-mps-control >/dev/null 2>&1; then
+		echo "gpu-bench: the MPS daemon did not take quit (pipe directory $work/mps/pipe): it may still run" >&2
+	fi
 }
 trap 'stop_mps; rm -rf "$work"' EXIT
 
@@ -278,7 +282,7 @@ py_torch() {
 	local label=$1 d=$2 c=$3 sh=$4
 	if [ $pymsgpack = no ]; then
 		want "$label" && skip "$label" "no msgpack for python3" impl=cudashare-python+torch sharing="$sh" mode=ring ring=8 size=$MiB \
-			device="$d" consumer_device="$c" in_flight=8 gpu_work=fill+torch
+			device="$d" consumer_device="$c" in_flight=8 gpu_work=fill+torch "${runmeta[@]}"
 		return 0
 	fi
 	pair "$label" "$d" "$c" fill+torch 8 "$sh" python+torch impl=cudashare-python+torch workers=1 credits=8 -- \
@@ -402,24 +406,53 @@ fi
 # the producer's to the consumer's and back (bench/RESULTS.md: 12k-16k/s with a
 # copy per batch, where one process does 115k-124k); an MPS daemon runs both
 # processes' work in one context. What a user with one GPU would run.
-mpsrows=(limit-gpu00-copy-1MiB-mps torch-ring-gpu00-mps)
+mpsrows=(limit-gpu00-fill-1MiB-mps limit-gpu00-copy-1MiB-mps torch-ring-gpu00-mps)
 for sh in $sharings; do
-	mpsrows+=("cudashare-ring-gpu00-verify-byte-mps-$sh" "cudashare-ring-gpu00-verify-async-mps-$sh" "python-ring-gpu00-torch-mps-$sh")
+	mpsrows+=("cudashare-ring-gpu00-verify-byte-mps-$sh" "python-ring-gpu00-torch-mps-$sh")
+	[ $async = yes ] && mpsrows+=("cudashare-ring-gpu00-verify-async-mps-$sh")
 done
 mpswant=no
 for l in "${mpsrows[@]}"; do want "$l" && mpswant=yes; done
+
+# start_mps starts an MPS daemon with a private pipe directory and checks
+# that a CUDA client gets an MPS server: a client that cannot reach the
+# daemon runs without MPS, saying nothing, and its rows would be labelled
+# wrongly. If not, it sets mpswhy and returns 1 (the caller stops the daemon).
+mpswhy=
+start_mps() {
+	local env=(env "CUDA_MPS_PIPE_DIRECTORY=$work/mps/pipe" "CUDA_MPS_LOG_DIRECTORY=$work/mps/log")
+	mkdir -p "$work/mps/pipe" "$work/mps/log"
+	if ! "${env[@]}" nvidia-cuda-mps-control -d >"$OUT/mps-start.log" 2>&1; then
+		mpswhy="nvidia-cuda-mps-control -d failed ($(tail -n 1 "$OUT/mps-start.log"); another daemon in charge of the GPUs, or a compute mode that forbids it?)"
+		return 1
+	fi
+	mpsup=yes
+	# The daemon starts a server when a client makes its first context.
+	if ! "${env[@]}" timeout -k 5 60 "$BIN/limit" -device 0 -consumer-device 0 -ring 8 -size 1MiB -copy=false -seconds 1 -json \
+		>"$OUT/mps-probe.log" 2>&1; then
+		mpswhy="a CUDA client under the daemon failed ($(tail -n 1 "$OUT/mps-probe.log"))"
+		return 1
+	fi
+	if [ -z "$(echo get_server_list | "${env[@]}" timeout -k 5 20 nvidia-cuda-mps-control 2>/dev/null | tr -d '[:space:]')" ]; then
+		mpswhy="a CUDA client ran, but the daemon lists no MPS server: the client ran without MPS"
+		return 1
+	fi
+}
+
 if [ $mps = yes ] && [ $mpswant = yes ]; then
 	if [ "$driver" != cuda ]; then
 		skip mps-gpu00 "the $driver driver: MPS rows need the real driver" device=0 consumer_device=0
 	elif ! command -v nvidia-cuda-mps-control >/dev/null; then
 		skip mps-gpu00 "no nvidia-cuda-mps-control on this machine" device=0 consumer_device=0
 	else
-		mkdir -p "$work/mps/pipe" "$work/mps/log"
 		echo "== MPS: starting a daemon of our own (pipe directory $work/mps/pipe)"
-		if CUDA_MPS_PIPE_DIRECTORY=$work/mps/pipe CUDA_MPS_LOG_DIRECTORY=$work/mps/log nvidia-cuda-mps-control -d; then
-			mpsup=yes
+		if start_mps; then
+			# The environment the rows run in; what the user had is put back.
+			had_pipe=${CUDA_MPS_PIPE_DIRECTORY+x} old_pipe=${CUDA_MPS_PIPE_DIRECTORY-}
+			had_log=${CUDA_MPS_LOG_DIRECTORY+x} old_log=${CUDA_MPS_LOG_DIRECTORY-}
 			export CUDA_MPS_PIPE_DIRECTORY=$work/mps/pipe CUDA_MPS_LOG_DIRECTORY=$work/mps/log
 			runmeta=(mps=true)
+			tool limit-gpu00-fill-1MiB-mps -- "$BIN/limit" -device 0 -consumer-device 0 -ring 8 -size 1MiB -copy=false -seconds "$secs" -json
 			tool limit-gpu00-copy-1MiB-mps -- "$BIN/limit" -device 0 -consumer-device 0 -ring 8 -size 1MiB -copy=true -seconds "$secs" -json
 			ours cudashare-ring-gpu00-verify-byte-mps 0 0 "$workers" 8 byte fill -- -ring 8 -size 1MiB
 			if [ $async = yes ]; then
@@ -430,12 +463,14 @@ if [ $mps = yes ] && [ $mpswant = yes ]; then
 				py_torch "python-ring-gpu00-torch-mps-$sh" 0 0 "$sh"
 			done
 			runmeta=()
-			stop_mps
 			unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-			for f in "$work"/mps/log/*.log; do [ -f "$f" ] && cp "$f" "$OUT/mps-${f##*/}"; done
+			[ -n "$had_pipe" ] && export CUDA_MPS_PIPE_DIRECTORY=$old_pipe
+			[ -n "$had_log" ] && export CUDA_MPS_LOG_DIRECTORY=$old_log
 		else
-			skip mps-gpu00 "nvidia-cuda-mps-control -d failed (another daemon in charge of the GPUs, or a compute mode that forbids it)" device=0 consumer_device=0
+			skip mps-gpu00 "$mpswhy (logs: mps-*.log)" device=0 consumer_device=0
 		fi
+		stop_mps
+		for f in "$work"/mps/log/*.log; do [ -f "$f" ] && cp "$f" "$OUT/mps-${f##*/}"; done
 	fi
 fi
 
