@@ -25,6 +25,43 @@ import (
 // do what share never would: offer lies, grab and hang up, hand a connection
 // to another process, free on goodbye.
 
+// rawListen listens at ParamPath as a producer of ce's device, and says
+// LISTENING.
+func rawListen(ctx context.Context, ce *ChildEnv) (*transport.Listener, transport.UUID, error) {
+	dev := ce.Ctx.Device().UUID()
+	cfg := transport.DefaultConfig(transport.RoleProducer)
+	cfg.Devices = []transport.UUID{dev}
+	ln, err := transport.Listen(ctx, os.Getenv(ParamPath), cfg)
+	if err != nil {
+		return nil, dev, err
+	}
+	fmt.Println("LISTENING")
+	return ln, dev, nil
+}
+
+// exportedSize is the size of the allocations the raw routines export.
+const exportedSize = 1 << 20
+
+// exportedAlloc allocates exportedSize bytes and returns them with their
+// legacy IPC handle; with a batch number other than 0, their first 4096
+// bytes hold its pattern (Fill).
+func exportedAlloc(ce *ChildEnv, batch uint64) (driver.DevicePtr, driver.IpcMemHandle, error) {
+	p, err := ce.Ctx.Alloc(exportedSize)
+	if err != nil {
+		return 0, driver.IpcMemHandle{}, err
+	}
+	h, err := ce.Ctx.IpcGetMemHandle(p)
+	if err != nil {
+		return 0, driver.IpcMemHandle{}, err
+	}
+	if batch != 0 {
+		if err := Fill(ce.Ctx, p, 4096, batch); err != nil {
+			return 0, driver.IpcMemHandle{}, err
+		}
+	}
+	return p, h, nil
+}
+
 // rawProducer speaks the protocol by hand to offer what share.Exporter
 // never would: the handle of allocation 1 under allocation id 2 (a handle
 // that names another allocation than the one mapped under it), and
@@ -33,30 +70,18 @@ import (
 func rawProducer(ce *ChildEnv) error {
 	ctx, cancel := context.WithTimeout(context.Background(), ExpectTimeout)
 	defer cancel()
-	dev := ce.Ctx.Device().UUID()
-	cfg := transport.DefaultConfig(transport.RoleProducer)
-	cfg.Devices = []transport.UUID{dev}
-	ln, err := transport.Listen(ctx, os.Getenv(ParamPath), cfg)
+	ln, dev, err := rawListen(ctx, ce)
 	if err != nil {
 		return err
 	}
 	defer ln.Close()
-	fmt.Println("LISTENING")
 	conn, err := ln.Accept(ctx)
 	if err != nil {
 		return err
 	}
 	defer conn.Close()
-	const size = 1 << 20
-	p, err := ce.Ctx.Alloc(size)
+	p, h, err := exportedAlloc(ce, 7)
 	if err != nil {
-		return err
-	}
-	h, err := ce.Ctx.IpcGetMemHandle(p)
-	if err != nil {
-		return err
-	}
-	if err := Fill(ce.Ctx, p, 4096, 7); err != nil {
 		return err
 	}
 	other := transport.Handle(h)
@@ -68,7 +93,7 @@ func rawProducer(ce *ChildEnv) error {
 	}
 	for i := range offers {
 		o := &offers[i]
-		o.AllocSize, o.Size, o.Device, o.Meta = size, 4096, dev, Meta(7)
+		o.AllocSize, o.Size, o.Device, o.Meta = exportedSize, 4096, dev, Meta(7)
 		if err := conn.SendOffer(ctx, o); err != nil {
 			return err
 		}
@@ -103,16 +128,11 @@ func rawProducer(ce *ChildEnv) error {
 // exportHandle allocates 1 MiB, prints "HANDLE <hex>" and frees it once
 // stdin closes.
 func exportHandle(ce *ChildEnv) error {
-	const size = 1 << 20
-	p, err := ce.Ctx.Alloc(size)
+	p, h, err := exportedAlloc(ce, 0)
 	if err != nil {
 		return err
 	}
-	h, err := ce.Ctx.IpcGetMemHandle(p)
-	if err != nil {
-		return err
-	}
-	fmt.Printf("HANDLE %s %d\n", hex.EncodeToString(h[:]), size)
+	fmt.Printf("HANDLE %s %d\n", hex.EncodeToString(h[:]), exportedSize)
 	io.Copy(io.Discard, ce.In)
 	return ce.Ctx.Free(p)
 }
@@ -362,15 +382,11 @@ type FreeOnGoodbyeReport struct {
 func freeOnGoodbye(ce *ChildEnv) error {
 	ctx, cancel := context.WithTimeout(context.Background(), ExpectTimeout)
 	defer cancel()
-	dev := ce.Ctx.Device().UUID()
-	cfg := transport.DefaultConfig(transport.RoleProducer)
-	cfg.Devices = []transport.UUID{dev}
-	ln, err := transport.Listen(ctx, os.Getenv(ParamPath), cfg)
+	ln, dev, err := rawListen(ctx, ce)
 	if err != nil {
 		return err
 	}
 	defer ln.Close()
-	fmt.Println("LISTENING")
 	var rep FreeOnGoodbyeReport
 	for range Param(ParamCount, 1) {
 		if err := freeOnGoodbyeRound(ctx, ce, ln, dev, &rep); err != nil {
@@ -388,19 +404,11 @@ func freeOnGoodbyeRound(ctx context.Context, ce *ChildEnv, ln *transport.Listene
 		return err
 	}
 	defer conn.Close()
-	const size = 1 << 20
-	p, err := ce.Ctx.Alloc(size)
+	p, h, err := exportedAlloc(ce, 1)
 	if err != nil {
 		return err
 	}
-	h, err := ce.Ctx.IpcGetMemHandle(p)
-	if err != nil {
-		return err
-	}
-	if err := Fill(ce.Ctx, p, 4096, 1); err != nil {
-		return err
-	}
-	o := transport.Offer{Seq: 1, AllocID: 1, Handle: transport.Handle(h), AllocSize: size, Size: 4096, Device: dev, Meta: Meta(1)}
+	o := transport.Offer{Seq: 1, AllocID: 1, Handle: transport.Handle(h), AllocSize: exportedSize, Size: 4096, Device: dev, Meta: Meta(1)}
 	if err := conn.SendOffer(ctx, &o); err != nil {
 		return err
 	}
