@@ -46,6 +46,15 @@ def _uuid(b):
     return "GPU-%s-%s-%s-%s-%s" % (h[:8], h[8:12], h[12:16], h[16:20], h[20:])
 
 
+def _flag(v):
+    v = v.lower()
+    if v in ("true", "1", "yes", "on"):
+        return True
+    if v in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError("want true or false, got %r" % v)
+
+
 def consume(args, out):
     rep = {"role": "consumer", "impl": "cudashare-python", "driver": "", "driver_reason": "", "device": args.device,
            "device_uuid": "", "producer_device": "", "same_device": False, "socket": args.socket,
@@ -53,15 +62,17 @@ def consume(args, out):
            "seconds": 0.0, "handoffs_per_s": 0.0, "p50_us": 0.0, "p99_us": 0.0, "max_us": 0.0, "cpu_us_per_handoff": 0.0, "bytes": 0,
            "size": 0, "verified": 0, "verify_errors": 0, "errors": 0, "buffers_seen": 0, "mappings": 0,
            "shm": False, "end": "", "exit": 0}
-    # shm: this consumer does not ask for the shared-memory rings (PROTOCOL.md
-    # 2.3); its messages always go over the socket.
+    # shm: the messages went through the shared-memory rings (PROTOCOL.md
+    # 2.3), as the Go consumer's report says; --shm false keeps them on the
+    # socket.
     lat = []
     seen = set()
     lock = threading.Lock()
     times = [None, None]
     cpu0 = [None]  # the process's CPU time at the first receipt
     try:
-        c = connect(args.socket, device=args.device, credits=args.credits, backend=args.driver, wait=args.wait)
+        c = connect(args.socket, device=args.device, credits=args.credits, backend=args.driver, wait=args.wait,
+                    ring=args.shm)
     except (FileNotFoundError, ConnectionRefusedError) as e:
         rep.update(end="error", error="no producer at %s: %s" % (args.socket, e), exit=EXIT_NO_PRODUCER)
         return rep
@@ -76,6 +87,7 @@ def consume(args, out):
         rep.update(end="refused", error=str(e), exit=EXIT_REFUSED if e.remote else EXIT_FAILURE)
         return rep
     rep["driver"], rep["driver_reason"] = c.backend, c.backend_reason
+    rep["shm"] = c.stats()["ring"]
     rep["device_uuid"] = _uuid(c.device_uuid)
     if c.producer["devices"]:
         rep["producer_device"] = _uuid(c.producer["devices"][0])
@@ -191,6 +203,9 @@ def main(argv=None, restore_signals=True):
     cp.add_argument("--device", type=int, default=0)
     cp.add_argument("--driver", choices=["auto", "cuda", "sim"], default="auto")
     cp.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the socket to appear")
+    cp.add_argument("--shm", type=_flag, default=True, metavar="true|false",
+                    help="carry the messages through two rings in memory shared with the producer, if it allows "
+                         "them, instead of on the socket (as the Go consumer's -shm)")
     a = p.parse_args(argv)
     if a.batches < 0 or a.workers < 1 or not 1 <= a.credits <= 1048576:
         p.error("--batches >= 0, --workers >= 1, --credits 1 to 1048576")

@@ -19,6 +19,7 @@ both mixins of Consumer.
 
 import atexit
 import collections
+import errno
 import logging
 import os
 import select
@@ -29,7 +30,7 @@ import threading
 import time
 import weakref
 
-from . import backends, wire, errors
+from . import backends, ring, wire, errors
 from .errors import Closed, CudashareError, ProducerGone, ProtocolError, Timeout
 from .reader import BG_POLL, TICK, Reader
 from .releases import Releases
@@ -56,7 +57,7 @@ _STOP_WAIT = 10.0
 
 
 def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeout=10.0,
-            frame_timeout=10.0, handle_sigterm=False, wait=0.0):
+            frame_timeout=10.0, handle_sigterm=False, wait=0.0, ring=True):
     """Connects to the producer listening at path and returns a Consumer.
 
     device: the GPU (this process's ordinal) to map buffers on. credits: the
@@ -88,7 +89,7 @@ def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeou
         except BaseException:
             sock.close()
             raise
-    c = Consumer(sock, path, device, credits, write_timeout, frame_timeout)
+    c = Consumer(sock, path, device, credits, write_timeout, frame_timeout, ring)
     try:
         c._handshake(timeout, backend)
     except BaseException:
@@ -117,7 +118,7 @@ def install_sigterm_handler():
 class Consumer(Reader, Releases):
     """A connection to one producer. Use connect() to make one."""
 
-    def __init__(self, sock, path, device, credits, write_timeout, frame_timeout):
+    def __init__(self, sock, path, device, credits, write_timeout, frame_timeout, want_ring=False):
         self.path = path
         self.device = device
         self.credits = credits
@@ -168,19 +169,147 @@ class Consumer(Reader, Releases):
         self._n_offers = self._n_handoffs = self._n_releases = self._n_bytes = 0
         self._n_msgs = 0
         self._n_ordered = 0
+        # The shared-memory rings (ring.py), once the handshake agreed on
+        # them: frames go through _out, and the socket only carries
+        # doorbells (_bell_left: bytes of one not yet written), errors and
+        # the end.
+        self._want_ring = want_ring
+        self.ring_reason = ""
+        self._out = None
+        self._bell_left = 0
+        self._writing = False    # a ring write is under way (under _wlock)
+        self._deferred = []      # frames of a write re-entered meanwhile
 
     # --- setup ---
 
     def _send(self, msg):
         """Writes one message; raises if the write fails or times out."""
         frame = wire.pack(msg)
-        with self._wlock:
-            self._sock.sendall(frame)
+        try:
+            with self._wlock:
+                self._write(frame)
+        except ProtocolError as e:
+            raise self._protocol_fail(e)  # a producer that broke ring 1's head (ring.py)
+
+    def _write(self, frames):
+        """Writes whole frames, into the ring or on the socket; the caller
+        holds _wlock. Raises OSError if the write fails or times out."""
+        out = self._out
+        if out is None:
+            self._sock.sendall(frames)
+            return
+        if self._writing:
+            # Re-entered in this thread (the only way in while _wlock is
+            # held): a leaked lease's finalizer, run by the garbage
+            # collector in the middle of a write, releasing it. Its frames
+            # follow the outer write's, never inside one.
+            self._deferred.append(frames)
+            return
+        self._writing = True
+        try:
+            self._ring_write(out, frames)
+            while self._deferred:
+                self._ring_write(out, self._deferred.pop(0))
+        finally:
+            self._writing = False
+            self._deferred.clear()
+
+    def _ring_write(self, out, frames):
+        off, n, stuck, pause = 0, len(frames), None, 0.0
+        while off < n:
+            k = out.write(frames, off)
+            if k:
+                off += k
+                stuck, pause = None, 0.0
+                if out.asleep():
+                    self._bell()
+                continue
+            # Full: the producer is behind, or stopped. It has the write
+            # timeout to read some, as it has with a full socket.
+            if self._sock_hup():
+                raise BrokenPipeError(errno.EPIPE, "the producer closed the connection and read nothing of a full ring")
+            now = time.monotonic()
+            if stuck is None:
+                stuck = now
+            elif now - stuck >= self._write_timeout:
+                try:
+                    self._send_socket(wire.pack([wire.ERROR, errors.TIMEOUT, "the producer read nothing of a full "
+                                                 "ring for %.0fs" % self._write_timeout]), 0.1)
+                except OSError:
+                    pass
+                raise TimeoutError(errno.ETIMEDOUT, "the producer read nothing of a full ring for %.0fs" % self._write_timeout)
+            pause = min(max(2 * pause, 10e-6), 1e-3)
+            time.sleep(pause)
+
+    def _bell(self):
+        """Writes the doorbell on the socket without waiting: a socket too
+        full to take it has bytes to wake the producer already. A doorbell
+        cut short is finished before anything else goes on the socket."""
+        left = self._bell_left or 4
+        try:
+            k = self._sock.send(ring.BELL[4 - left:])
+        except (BlockingIOError, InterruptedError):
+            k = 0
+        if self._bell_left or k:
+            self._bell_left = left - k
+
+    def _send_socket(self, frame, timeout):
+        """Writes a frame on the non-blocking socket of a ring connection
+        (an error message), after any doorbell cut short, waiting up to
+        timeout for room."""
+        b = memoryview(ring.BELL[4 - self._bell_left:] + frame if self._bell_left else frame)
+        self._bell_left = 0
+        deadline = time.monotonic() + timeout
+        p = select.poll()
+        p.register(self._sock.fileno(), select.POLLOUT)
+        while b:
+            try:
+                b = b[self._sock.send(b):]
+                continue
+            except (BlockingIOError, InterruptedError):
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0 or not p.poll(int(left * 1000 + 0.999)):
+                raise TimeoutError(errno.ETIMEDOUT, "the producer's socket stayed full")
+
+    def _sock_hup(self):
+        p = select.poll()
+        p.register(self._sock.fileno(), select.POLLOUT)
+        try:
+            r = p.poll(0)
+        except OSError:
+            return True
+        return bool(r) and bool(r[0][1] & (select.POLLHUP | select.POLLERR))
+
+    def _take_ring(self):
+        """Maps the segment that came with the hello-ack (PROTOCOL.md 2.3):
+        it must be its only descriptor. Frames go through the rings from
+        now on, and the socket turns non-blocking."""
+        fds = self._rd.take_fds(len(self._rd.fds))
+        try:
+            if len(fds) != 1:
+                raise wire.malformed("hello-ack with the ring capability and %d descriptors, want 1 (the segment)", len(fds))
+            seg = ring.Segment(fds[0])
+        finally:
+            for fd in fds:
+                os.close(fd)
+        rd = self._rd
+        leftover = bytes(rd.buf[rd.pos:])
+        self._rd = ring.RingReader(self._sock, seg.inbound, leftover, rd.frame_timeout)
+        self._out = seg.outbound
+        self._sock.settimeout(0.0)
 
     def _handshake(self, timeout, backend):
+        caps = wire.CAP_FDS
+        if self._want_ring:
+            ok, self.ring_reason = ring.available()
+            if ok:
+                caps |= wire.CAP_RING
+        else:
+            self.ring_reason = "not asked for (connect(ring=False))"
         try:
             self._send([wire.HELLO, wire.VERSION, wire.ROLE_CONSUMER, os.getpid(), os.urandom(16), [],
-                        wire.CAP_FDS, self.credits])
+                        caps, self.credits])
         except (BrokenPipeError, ConnectionResetError):
             # A listener that refuses this peer (another user, a limit)
             # says why and closes at once, maybe before the hello is
@@ -235,7 +364,12 @@ class Consumer(Reader, Releases):
         except OSError:
             peer_pid = 0
         self._rel_events_ok = bool(self.producer["caps"] & wire.CAP_RELEASE_EVENTS) and peer_pid != 0
-        self._sock.settimeout(self._write_timeout)
+        if caps & wire.CAP_RING and self.producer["caps"] & wire.CAP_RING:
+            self._take_ring()
+        else:
+            if caps & wire.CAP_RING:
+                self.ring_reason = "the producer did not agree"
+            self._sock.settimeout(self._write_timeout)
         self._backend = backends.select(backend, self.device, devs)
         self._reader = threading.Thread(target=self._read_loop, name="cudashare-reader %s" % self.path, daemon=True)
         self._reader.start()
@@ -411,7 +545,8 @@ class Consumer(Reader, Releases):
         with self._lock:
             d = dict(self._stats)
             d.update(offers=self._n_offers, handoffs=self._n_handoffs, releases=self._n_releases,
-                     bytes=self._n_bytes, release_messages=self._n_msgs, ordered_releases=self._n_ordered)
+                     bytes=self._n_bytes, release_messages=self._n_msgs, ordered_releases=self._n_ordered,
+                     ring=self._out is not None)
             return d
 
     def close(self, timeout=5.0, reason="consumer closed"):

@@ -88,16 +88,21 @@ class Reader:
             rd.check_partial(time.monotonic())
             if self._queue and (user or self._waiters):
                 return True
-            if not self._poller.poll(int(timeout * 1000 + 0.999)):
+            if self._out is not None:
+                # The rings: the ring first, then sleep on the socket.
+                more = rd.wait(timeout, self._poller, spin=user)
+            elif not self._poller.poll(int(timeout * 1000 + 0.999)):
                 return True
-            if not rd.fill(accept_fds=True):
-                self._on_eof()
-                self._ended()
-                return False
+            else:
+                more = rd.fill(accept_fds=True)
             body = rd.next_frame()
             while body is not None:
                 self._handle(wire.decode(body), len(body))
                 body = rd.next_frame()
+            if not more:
+                self._on_eof()
+                self._ended()
+                return False
             return True
         except ProtocolError as e:
             self._protocol_fail(e)
@@ -127,8 +132,14 @@ class Reader:
         """Tells the producer why (best-effort, short timeout) and ends."""
         if not err.remote:
             try:
-                self._sock.settimeout(0.1)
-                self._send([wire.ERROR, err.code, str(err)[:wire.MAX_TEXT]])
+                frame = wire.pack([wire.ERROR, err.code, str(err)[:wire.MAX_TEXT]])
+                if self._out is not None:
+                    with self._wlock:
+                        self._send_socket(frame, 0.1)  # the socket carries errors on a ring connection
+                else:
+                    self._sock.settimeout(0.1)
+                    with self._wlock:
+                        self._sock.sendall(frame)
             except OSError:
                 pass
             try:
@@ -321,8 +332,12 @@ class Reader:
             return False
         try:
             with self._wlock:
-                self._sock.sendall(frames)
+                self._write(frames)
             return True
+        except ProtocolError as e:
+            # A producer that broke ring 1's head (ring.py).
+            self._protocol_fail(e)
+            return False
         except OSError as e:
             if not (self._bye_received or self._bye_sent) and not self._peer_closed_with_more(e):
                 self._finish(ProducerGone("write to %s failed: %s" % (self.path, e)))

@@ -41,7 +41,7 @@ def connected(fake, caps=0, credits=4, **kw):
     t = f.serve()
     c = cudashare.connect(f.path, credits=credits, backend="sim", **kw)
     t.join(5)
-    assert f.hello[0] == 1 and f.hello[2] == 2 and f.hello[6] == 1 and f.hello[7] == credits
+    assert f.hello[0] == 1 and f.hello[2] == 2 and f.hello[6] & ~8 == 1 and f.hello[7] == credits
     return f, c
 
 
@@ -106,8 +106,8 @@ def go_producer(gobin):
 def fake():
     made = []
 
-    def start(caps=0):
-        f = FakeProducer(caps)
+    def start(caps=0, seg=None):
+        f = FakeProducer(caps, seg)
         made.append(f)
         return f
     yield start

@@ -8,15 +8,21 @@ before the Go producer lends them.
 """
 
 import array
+import fcntl
+import mmap
 import os
+import select
 import socket
 import struct
 import tempfile
 import threading
+import time
 
 import msgpack
 
 HEADER = 4096
+CAP_RING = 8
+RING, CTL, SEG = 65536, 4096, 4096 + 2 * 65536
 
 
 def frame(msg):
@@ -44,8 +50,27 @@ def sim_memfd(size, fill):
     return fd
 
 
+def ring_memfd(size=SEG, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW):
+    """A ring segment (PROTOCOL.md 2.3), or a bad one."""
+    fd = os.memfd_create("cudashare-ring-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
 class FakeProducer:
-    def __init__(self, caps=0):
+    """caps with CAP_RING: if the consumer asks for the rings too, the
+    hello-ack carries a segment (ring_memfd(**seg)) and every later frame
+    goes through it (plain stores: after each write the fake rings the
+    doorbell, so the consumer's sleeping word need not be read)."""
+
+    def __init__(self, caps=0, seg=None):
+        self.seg_args = seg or {}
+        self.mem = None
+        self.tail0 = 0   # bytes written into ring 0
+        self.head1 = 0   # bytes read from ring 1
+        self.sock_end = False
         self.dir = tempfile.mkdtemp(prefix="cudashare-test-")
         os.chmod(self.dir, 0o700)
         self.path = os.path.join(self.dir, "s")
@@ -62,8 +87,44 @@ class FakeProducer:
         self.conn, _ = self.lsock.accept()
         self.conn.settimeout(timeout)
         self.hello = self.recv()
-        self.send([2, 1, 1, os.getpid(), os.urandom(16), [b"\xaa" * 16], self.caps, 0])
+        ack = [2, 1, 1, os.getpid(), os.urandom(16), [b"\xaa" * 16], self.caps, 0]
+        if self.caps & CAP_RING and self.hello[6] & CAP_RING:
+            fd = ring_memfd(**self.seg_args)
+            try:
+                self.raw(frame(ack), [fd])
+                if os.fstat(fd).st_size == SEG:
+                    self.mem = mmap.mmap(fd, SEG)
+            finally:
+                os.close(fd)
+        else:
+            self.send(ack)
         return self.hello
+
+    # --- the rings: ring 0 this fake writes, ring 1 it reads ---
+
+    def word(self, off, v=None):
+        if v is None:
+            return struct.unpack_from("<Q", self.mem, off)[0]
+        struct.pack_into("<Q", self.mem, off, v)
+
+    def ring_write(self, data, bell=True):
+        for i, b in enumerate(data):
+            self.mem[CTL + (self.tail0 + i) % RING] = b
+        self.tail0 += len(data)
+        self.word(0, self.tail0)
+        if bell:
+            self.conn.sendall(b"\0\0\0\0")
+
+    def bell(self, fds=()):
+        self.raw(b"\0\0\0\0", fds)
+
+    def ring_read(self):
+        """Whatever ring 1 holds, marked read; b"" if nothing."""
+        tail = self.word(256)
+        data = bytes(self.mem[CTL + RING + (self.head1 + i) % RING] for i in range(tail - self.head1))
+        self.head1 = tail
+        self.word(256 + 128, self.head1)
+        return data
 
     def serve(self):
         """Accepts in the background (connect blocks on the handshake)."""
@@ -72,7 +133,12 @@ class FakeProducer:
         return t
 
     def send(self, msg, fds=()):
-        self.raw(frame(msg), fds)
+        if self.mem is not None:
+            if fds:
+                self.bell(fds)  # descriptors go first, on a doorbell
+            self.ring_write(frame(msg))
+        else:
+            self.raw(frame(msg), fds)
 
     def raw(self, data, fds=()):
         if fds:
@@ -80,8 +146,11 @@ class FakeProducer:
         else:
             self.conn.sendall(data)
 
-    def recv(self):
-        """The next message, or None at end of stream."""
+    def recv(self, timeout=5):
+        """The next message, or None at end of stream. On a ring
+        connection: from ring 1, or an error message from the socket."""
+        if self.mem is not None:
+            return self._recv_ring(timeout)
         while True:
             if len(self.buf) >= 4:
                 (n,) = struct.unpack(">I", self.buf[:4])
@@ -96,6 +165,38 @@ class FakeProducer:
                 return None
             self.buf += chunk
 
+    def _recv_ring(self, timeout):
+        deadline = time.monotonic() + timeout
+        sbuf = b""
+        while True:
+            self.buf += self.ring_read()
+            if len(self.buf) >= 4:
+                (n,) = struct.unpack(">I", self.buf[:4])
+                if len(self.buf) >= 4 + n:
+                    body, self.buf = self.buf[4:4 + n], self.buf[4 + n:]
+                    return msgpack.unpackb(body, raw=False)
+            if self.sock_end:
+                return None
+            if select.select([self.conn], [], [], 0.005)[0]:
+                try:
+                    chunk = self.conn.recv(65536)
+                except ConnectionResetError:
+                    chunk = b""
+                if not chunk:
+                    self.sock_end = True  # the ring is read once more, to its end
+                    continue
+                sbuf += chunk
+                while len(sbuf) >= 4:
+                    (n,) = struct.unpack(">I", sbuf[:4])
+                    if n == 0:
+                        sbuf = sbuf[4:]
+                        continue
+                    if len(sbuf) < 4 + n:
+                        break
+                    return msgpack.unpackb(sbuf[4:4 + n], raw=False)  # an error, on the socket
+            if time.monotonic() > deadline:
+                raise TimeoutError("the consumer sent nothing for %.0fs" % timeout)
+
     def recv_until(self, kind):
         """Messages until one of kind (returned) or end of stream (None)."""
         while True:
@@ -108,6 +209,9 @@ class FakeProducer:
         self.send(offer_msg(seq, alloc_id, size, alloc_size, offset, kind, nfds, meta, handle, event), fds)
 
     def close(self):
+        if self.mem is not None:
+            self.mem.close()
+            self.mem = None
         for s in (self.conn, self.lsock):
             if s is not None:
                 s.close()

@@ -1,0 +1,263 @@
+"""The shared-memory rings (PROTOCOL.md 2.3) on the consumer's side: against
+a fake producer that speaks them, honestly and not, and against the Go
+producer with and without them. A producer that breaks the rings gets an
+error on the socket, with the right code; the consumer never hangs, reads
+or writes outside the segment, or keeps a descriptor."""
+
+import fcntl
+import os
+import struct
+import time
+
+import pytest
+
+import cudashare
+from cudashare import errors as E
+from cudashare import ring
+from conftest import connected
+from fakeproducer import CAP_RING, RING, frame, sim_memfd
+
+pytestmark = pytest.mark.skipif(not ring.available()[0], reason="no rings here: %s" % ring.available()[1])
+
+MiB2 = 1 << 21
+
+
+def ring_fake(fake, seg=None, **kw):
+    f = fake(CAP_RING, seg)
+    t = f.serve()
+    c = cudashare.connect(f.path, credits=kw.pop("credits", 4), backend="sim", **kw)
+    t.join(5)
+    return f, c
+
+
+def offer_fd(f, seq, fill=1):
+    """Offers a fresh simulator allocation (its descriptor on a doorbell)."""
+    fd = sim_memfd(MiB2, fill)
+    try:
+        f.offer(seq, size=4096, kind=1, nfds=1, fds=[fd])
+    finally:
+        os.close(fd)
+
+
+def failed_with(f, c, code):
+    """The consumer's next() fails with code, and the producer reads that
+    error on its socket."""
+    with pytest.raises(cudashare.ProtocolError) as ei:
+        for _ in range(8):
+            c.next(timeout=5).release()
+    assert ei.value.code == code, ei.value
+    m = f.recv_until(9)
+    assert m is not None and m[1] == code, m
+    c.close(timeout=0.5)
+    return ei.value
+
+
+def test_offers_releases_retire_goodbye_through_the_rings(fake):
+    f, c = ring_fake(fake)
+    assert c.stats()["ring"] and f.mem is not None
+    fd = sim_memfd(MiB2, 5)
+    f.offer(1, size=4096, kind=1, nfds=1, fds=[fd])  # the descriptor on a doorbell, the offer in the ring
+    os.close(fd)
+    f.offer(2, size=4096, offset=4096, kind=1)
+    a, b = c.next(timeout=5), c.next(timeout=5)
+    assert bytes(a.host()) == b"\x05" * 4096 and b.ptr == a.ptr + 4096
+    a.release()
+    b.release()
+    released = []
+    while len(released) < 2:
+        m = f.recv_until(4)
+        assert m is not None and len(m) == 2, m  # host-ordered: no event
+        released += m[1]
+    assert released == [1, 2]
+    f.send([5, 1])  # retire
+    assert f.recv_until(6) == [6, 1]
+    f.send([8, "done"])  # goodbye, in the ring
+    with pytest.raises(cudashare.Closed):
+        c.next(timeout=5)
+    c.close(timeout=0.5)
+    assert f.recv_until(8)[0] == 8
+    assert f.recv() is None  # the consumer's socket ended after its goodbye
+
+
+def test_goodbye_in_the_ring_then_close_is_a_clean_end(fake):
+    """The producer writes goodbye into the ring and closes its socket at
+    once (with the consumer's doorbells maybe unread, which AF_UNIX reports
+    as a reset): the ring is read to its end first, so the end is the
+    goodbye, not a vanished producer."""
+    f, c = ring_fake(fake)
+    offer_fd(f, 1)
+    f.send([8, "bye"])
+    f.conn.close()
+    f.conn = None
+    got = []
+    for lease in c:
+        got.append(lease.seq)
+        lease.release()
+    assert got == [1]
+    c.close(timeout=0.5)
+
+
+def test_segment_of_the_wrong_size_fails_the_handshake(fake):
+    f = fake(CAP_RING, {"size": 4096})
+    t = f.serve()
+    with pytest.raises(cudashare.ProtocolError) as ei:
+        cudashare.connect(f.path, backend="sim")
+    t.join(5)
+    assert ei.value.code == E.MALFORMED and "segment" in str(ei.value)
+
+
+def test_unsealed_segment_fails_the_handshake(fake):
+    """A segment the producer could shrink under the mapping: every later
+    access would fault."""
+    f = fake(CAP_RING, {"seals": fcntl.F_SEAL_GROW})
+    t = f.serve()
+    with pytest.raises(cudashare.ProtocolError) as ei:
+        cudashare.connect(f.path, backend="sim")
+    t.join(5)
+    assert ei.value.code == E.MALFORMED and "sealed" in str(ei.value)
+
+
+def test_tail_beyond_the_ring_is_malformed(fake):
+    f, c = ring_fake(fake)
+    f.word(0, RING + 1)  # more than a ring's worth ahead
+    f.bell()
+    failed_with(f, c, E.MALFORMED)
+
+
+def test_tail_behind_what_was_read_is_malformed(fake):
+    f, c = ring_fake(fake)
+    offer_fd(f, 1)
+    c.next(timeout=5).release()
+    f.word(0, 1)  # backwards
+    f.bell()
+    failed_with(f, c, E.MALFORMED)
+
+
+def test_head_moved_backwards_fails_the_release(fake):
+    """The producer's word in ring 1: a head behind what it had read, or
+    past what was written, could make the consumer overwrite unread bytes.
+    The release does not raise; the connection fails, and next() says so."""
+    f, c = ring_fake(fake, credits=1)
+    offer_fd(f, 1)
+    c.next(timeout=5).release()  # one release message in ring 1
+    assert f.recv_until(4) == [4, [1]]
+    f.offer(2, size=4096, kind=1)
+    lease = c.next(timeout=5)
+    f.word(256 + 128, 1 << 40)  # past what the consumer wrote
+    lease.release()
+    with pytest.raises(cudashare.ProtocolError) as ei:
+        c.next(timeout=5)
+    assert ei.value.code == E.MALFORMED and "head" in str(ei.value)
+    m = f.recv_until(9)
+    assert m is not None and m[1] == E.MALFORMED
+    c.close(timeout=0.5)
+
+
+def test_half_a_frame_in_the_ring_times_out(fake):
+    f, c = ring_fake(fake, frame_timeout=0.5)
+    f.ring_write(struct.pack(">I", 100) + b"\x93" * 10)
+    t0 = time.monotonic()
+    failed_with(f, c, E.TIMEOUT)
+    assert time.monotonic() - t0 < 10
+
+
+def test_zero_length_frame_in_the_ring_is_malformed(fake):
+    """Doorbells are for the socket; in the ring a zero length is not a frame."""
+    f, c = ring_fake(fake)
+    f.ring_write(b"\0\0\0\0")
+    failed_with(f, c, E.MALFORMED)
+
+
+def test_descriptor_flood_on_doorbells_is_bounded(fake):
+    """Descriptors may come before their offer, but no more than those of
+    two offers wait; every one received is closed."""
+    f, c = ring_fake(fake)
+    for _ in range(3):
+        fds = [sim_memfd(4096, 0) for _ in range(4)]
+        f.bell(fds)
+        for fd in fds:
+            os.close(fd)
+    failed_with(f, c, E.MALFORMED)
+
+
+def test_offer_on_the_socket_of_a_ring_connection_is_unexpected(fake):
+    f, c = ring_fake(fake)
+    f.raw(frame([3, 1, 1, 1, bytes(64), MiB2, 0, 4096, b"\xaa" * 16, None, None, 0, 1]))
+    failed_with(f, c, E.UNEXPECTED_MESSAGE)
+
+
+def test_big_frame_on_the_socket_of_a_ring_connection_is_malformed(fake):
+    """Only doorbells and errors go on the socket: a long frame there is
+    refused from its header, before it is buffered."""
+    f, c = ring_fake(fake)
+    f.raw(struct.pack(">I", 1 << 20))
+    failed_with(f, c, E.MALFORMED)
+
+
+def test_error_on_the_socket_ends_the_connection(fake):
+    f, c = ring_fake(fake)
+    f.raw(frame([9, E.TIMEOUT, "you were too slow"]))
+    with pytest.raises(cudashare.ProtocolError) as ei:
+        c.next(timeout=5)
+    assert ei.value.remote and ei.value.code == E.TIMEOUT and "too slow" in str(ei.value)
+    c.close(timeout=0.5)
+
+
+def test_ring_full_past_the_write_timeout(fake):
+    """A producer that never reads ring 1: the consumer's writes wait the
+    write timeout, as on a full socket, then fail, and it says why on the
+    socket."""
+    f, c = ring_fake(fake, write_timeout=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(OSError):
+        for _ in range(RING):  # about 6 bytes per credit message: the ring fills long before
+            c.grant(1)
+    assert time.monotonic() - t0 < 10
+    m = f.recv_until(9)  # read from the socket: ring 1 is full of credits
+    assert m is not None and m[1] == E.TIMEOUT, m
+    c.close(timeout=0.5)
+
+
+def test_ring_false_stays_on_the_socket(fake):
+    f, c = connected(fake, caps=CAP_RING, ring=False)
+    assert not c.stats()["ring"] and f.mem is None and "not asked" in c.ring_reason
+    c.close(timeout=0.5)
+
+
+def test_go_producer_with_and_without_the_rings(go_producer):
+    for want in (True, False):
+        p = go_producer("-count", "300", "-size", "64KiB", "-sharing", "vmm")
+        with cudashare.connect(p.path, backend="sim", wait=5, ring=want) as c:
+            assert c.stats()["ring"] == want
+            n = 0
+            for lease in c:
+                with lease:
+                    assert lease.meta["batch"] == n and lease.read(1)[0] == n % 251 + 1
+                    n += 1
+        rep, code = p.wait()
+        assert n == 300 and code == 0 and rep["releases"] == 300 and rep["allocations_left"] == 0, p.err
+
+
+def test_write_reentered_by_a_finalizer_does_not_interleave(fake):
+    """The garbage collector may run a leaked lease's finalizer in the
+    middle of a ring write, in the writing thread, and that release pushes
+    a message: it goes after the frame being written, never inside it."""
+    f, c = ring_fake(fake)
+    out = c._out
+    entered = []
+
+    class Interrupted:
+        def write(self, b, off=0):
+            if not entered:
+                entered.append(1)
+                c._send_quiet([7, 5])  # what the finalizer's push would write
+            return out.write(b, off)
+
+        def asleep(self):
+            return out.asleep()
+
+    c._out = Interrupted()
+    c.grant(3)
+    assert entered and f.recv() == [7, 3] and f.recv() == [7, 5]
+    c._out = out
+    c.close(timeout=0.5)
