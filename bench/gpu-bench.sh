@@ -39,7 +39,8 @@
 #              per batch (a tensor of the lease, a sum of 16 bytes into a
 #              device accumulator on the lease's stream, stream-ordered
 #              release, checked at the end), skipped where torch or a GPU is
-#              missing.
+#              missing; each through the shared-memory rings, then with
+#              --shm false (labels with -socket): the messages on the socket.
 #   cupy       bench/cupy_ipc.py: raw IPC handles over a multiprocessing Pipe,
 #              a hand-written open cache, 8 in flight: the handoff alone, then
 #              fill + interprocess event with and without a one-byte readback.
@@ -276,10 +277,11 @@ torch_ring() {
 	tool "$1" in_flight=8 gpu_work=fill -- python3 bench/torch_mp.py --seconds "$secs" --mode ring --size 1MiB --ring 8 --device "$2" --consumer-device "$3"
 }
 
-# py_torch LABEL DEVICE CONSUMER_DEVICE SHARING: the Python consumer with
-# torch work per batch and stream-ordered release (bench/py_consumer.py).
+# py_torch LABEL DEVICE CONSUMER_DEVICE SHARING [SHM]: the Python consumer
+# with torch work per batch and stream-ordered release (bench/py_consumer.py);
+# SHM false: its messages on the socket.
 py_torch() {
-	local label=$1 d=$2 c=$3 sh=$4
+	local label=$1 d=$2 c=$3 sh=$4 shm=${5:-true}
 	if [ $pymsgpack = no ]; then
 		want "$label" && skip "$label" "no msgpack for python3" impl=cudashare-python+torch sharing="$sh" mode=ring ring=8 size=$MiB \
 			device="$d" consumer_device="$c" in_flight=8 gpu_work=fill+torch "${runmeta[@]}"
@@ -287,7 +289,7 @@ py_torch() {
 	fi
 	pair "$label" "$d" "$c" fill+torch 8 "$sh" python+torch impl=cudashare-python+torch workers=1 credits=8 -- \
 		"${PYCS[@]}" python3 bench/py_consumer.py --socket "$sock" --device "$c" --wait 60 --credits 8 --work sum \
-		-- -ring 8 -size 1MiB
+		--shm "$shm" -- -ring 8 -size 1MiB
 }
 
 # The floor: no GPU, so once.
@@ -371,18 +373,23 @@ for pair in "${pairs[@]}"; do
 
 	# The Python consumer (python/), ring of 8 x 1 MiB, credits 8, both paths:
 	# the handoff alone through python -m cudashare consume, then torch work
-	# per batch with stream-ordered release (bench/py_consumer.py).
+	# per batch with stream-ordered release (bench/py_consumer.py); each with
+	# the messages through the shared-memory rings (the default), then on
+	# the socket (--shm false, labels with -socket).
 	for sh in $sharings; do
-		label="python-ring-$g-handoff-$sh"
-		if [ $pymsgpack = no ]; then
-			want "$label" && skip "$label" "no msgpack for python3 (Debian: python3-msgpack; or carry .gpu/pylib from scripts/gpu-test)" \
-				impl=cudashare-python sharing="$sh" device="$d" consumer_device="$c" in_flight=8 gpu_work=none mode=ring ring=8 size=$MiB
-		else
-			pair "$label" "$d" "$c" none 8 "$sh" python impl=cudashare-python verify=none workers=1 credits=8 -- \
-				"${PYCS[@]}" python3 -m cudashare consume --socket "$sock" --device "$c" --wait 60 --verify none \
-				--workers 1 --credits 8 -- -ring 8 -size 1MiB -fill=false
-		fi
-		py_torch "python-ring-$g-torch-$sh" "$d" "$c" "$sh"
+		for shm in true false; do
+			sfx=; [ $shm = false ] && sfx=-socket
+			label="python-ring-$g-handoff$sfx-$sh"
+			if [ $pymsgpack = no ]; then
+				want "$label" && skip "$label" "no msgpack for python3 (Debian: python3-msgpack; or carry .gpu/pylib from scripts/gpu-test)" \
+					impl=cudashare-python sharing="$sh" device="$d" consumer_device="$c" in_flight=8 gpu_work=none mode=ring ring=8 size=$MiB
+			else
+				pair "$label" "$d" "$c" none 8 "$sh" python impl=cudashare-python verify=none workers=1 credits=8 -- \
+					"${PYCS[@]}" python3 -m cudashare consume --socket "$sock" --device "$c" --wait 60 --verify none \
+					--workers 1 --credits 8 --shm $shm -- -ring 8 -size 1MiB -fill=false
+			fi
+			py_torch "python-ring-$g-torch$sfx-$sh" "$d" "$c" "$sh" $shm
+		done
 	done
 done
 
