@@ -39,8 +39,9 @@
 #              per batch (a tensor of the lease, a sum of 16 bytes into a
 #              device accumulator on the lease's stream, stream-ordered
 #              release, checked at the end), skipped where torch or a GPU is
-#              missing; each through the shared-memory rings, then with
-#              --shm false (labels with -socket): the messages on the socket.
+#              missing; each on the socket (the Python consumer's
+#              default), then with --shm true (labels with -shm): the
+#              messages through the shared-memory rings.
 #   cupy       bench/cupy_ipc.py: raw IPC handles over a multiprocessing Pipe,
 #              a hand-written open cache, 8 in flight: the handoff alone, then
 #              fill + interprocess event with and without a one-byte readback.
@@ -279,9 +280,9 @@ torch_ring() {
 
 # py_torch LABEL DEVICE CONSUMER_DEVICE SHARING [SHM]: the Python consumer
 # with torch work per batch and stream-ordered release (bench/py_consumer.py);
-# SHM false: its messages on the socket.
+# SHM true: its messages through the shared-memory rings.
 py_torch() {
-	local label=$1 d=$2 c=$3 sh=$4 shm=${5:-true}
+	local label=$1 d=$2 c=$3 sh=$4 shm=${5:-false}
 	if [ $pymsgpack = no ]; then
 		want "$label" && skip "$label" "no msgpack for python3" impl=cudashare-python+torch sharing="$sh" mode=ring ring=8 size=$MiB \
 			device="$d" consumer_device="$c" in_flight=8 gpu_work=fill+torch "${runmeta[@]}"
@@ -374,11 +375,11 @@ for pair in "${pairs[@]}"; do
 	# The Python consumer (python/), ring of 8 x 1 MiB, credits 8, both paths:
 	# the handoff alone through python -m cudashare consume, then torch work
 	# per batch with stream-ordered release (bench/py_consumer.py); each with
-	# the messages through the shared-memory rings (the default), then on
-	# the socket (--shm false, labels with -socket).
+	# the messages on the socket (the default), then through the
+	# shared-memory rings (--shm true, labels with -shm).
 	for sh in $sharings; do
-		for shm in true false; do
-			sfx=; [ $shm = false ] && sfx=-socket
+		for shm in false true; do
+			sfx=; [ $shm = true ] && sfx=-shm
 			label="python-ring-$g-handoff$sfx-$sh"
 			if [ $pymsgpack = no ]; then
 				want "$label" && skip "$label" "no msgpack for python3 (Debian: python3-msgpack; or carry .gpu/pylib from scripts/gpu-test)" \

@@ -83,7 +83,7 @@ def main():
     ap.add_argument("--bytes", type=int, default=16, help="--work sum: bytes of each batch summed")
     ap.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the producer's socket")
     ap.add_argument("--batches", type=int, default=0, help="stop after this many (0: until the producer ends)")
-    ap.add_argument("--shm", choices=["true", "false"], default="true",
+    ap.add_argument("--shm", choices=["true", "false"], default="false",
                     help="the messages through the shared-memory rings (PROTOCOL.md 2.3) if the producer allows them")
     a = ap.parse_args()
     rep = {"role": "consumer", "impl": "cudashare-python+torch", "device": a.device, "credits": a.credits,

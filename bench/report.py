@@ -242,11 +242,11 @@ def what_work(r):
         return "fill + %s, readback %s" % ("event" if r.get("sync", "event") == "event" else "host sync", r.get("verify", "?"))
     if impl == "torch.multiprocessing":
         return "fill + host sync, .item()"
-    sock = ", messages on the socket (--shm false)" if r.get("shm") is False else ""
+    shm = ", messages through the shared-memory rings (--shm true)" if r.get("shm") is True else ""
     if impl == "cudashare-python":
-        return "none: the handoff alone (python -m cudashare consume)" + sock
+        return "none: the handoff alone (python -m cudashare consume)" + shm
     if impl == "cudashare-python+torch":
-        return "fill + event; torch sum of 16 B, stream-ordered release" + sock
+        return "fill + event; torch sum of 16 B, stream-ordered release" + shm
     return r.get("gpu_work") or "-"
 
 
@@ -331,7 +331,7 @@ def table(path, env=None):
             t = torch.get(torch_key(r))
             if t and rate:
                 xt = ratio(rate / t)
-                if impl == "cudashare-python+torch" and r.get("mode") == "ring" and r.get("shm") is not False:
+                if impl == "cudashare-python+torch" and r.get("mode") == "ring":
                     targets.append("%s: %s torch%s (target >= %.0fx): %s" % (r["row"], xt, under_mps(r), PY_TORCH_TARGET,
                                                                             met(rate / t >= PY_TORCH_TARGET)))
         if impl == "cudashare":

@@ -39,13 +39,32 @@ func TestPytest(t *testing.T) {
 			t.Fatalf("go build: %v\n%s", err, out)
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, py, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider")
-	cmd.Env = append(os.Environ(), "CUDASHARE_BIN="+bin, "CUDASHARE_DRIVER=sim", "PYTHONDONTWRITEBYTECODE=1")
-	out, err := cmd.CombinedOutput()
-	t.Logf("pytest:\n%s", out)
-	if err != nil {
-		t.Fatalf("pytest failed: %v", err)
+	// The whole suite with the consumer's default (its messages on the
+	// socket), then the tests against the Go producer again with
+	// CUDASHARE_RING=1: through the shared-memory rings, where libatomic
+	// loads (else they stay on the socket, and test_ring.py says why it
+	// skips).
+	runs := []struct {
+		name string
+		env  []string
+		args []string
+	}{
+		{"socket", nil, []string{"tests"}},
+		{"rings", []string{"CUDASHARE_RING=1"}, []string{"tests/test_go_producer.py", "tests/test_long_run.py", "tests/test_ring.py"}},
+	}
+	for _, r := range runs {
+		t.Run(r.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+			defer cancel()
+			args := append([]string{"-m", "pytest"}, r.args...)
+			cmd := exec.CommandContext(ctx, py, append(args, "-q", "-p", "no:cacheprovider")...)
+			cmd.Env = append(os.Environ(), "CUDASHARE_BIN="+bin, "CUDASHARE_DRIVER=sim", "PYTHONDONTWRITEBYTECODE=1")
+			cmd.Env = append(cmd.Env, r.env...)
+			out, err := cmd.CombinedOutput()
+			t.Logf("pytest:\n%s", out)
+			if err != nil {
+				t.Fatalf("pytest failed: %v", err)
+			}
+		})
 	}
 }

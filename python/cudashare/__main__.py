@@ -63,8 +63,7 @@ def consume(args, out):
            "size": 0, "verified": 0, "verify_errors": 0, "errors": 0, "buffers_seen": 0, "mappings": 0,
            "shm": False, "end": "", "exit": 0}
     # shm: the messages went through the shared-memory rings (PROTOCOL.md
-    # 2.3), as the Go consumer's report says; --shm false keeps them on the
-    # socket.
+    # 2.3), as the Go consumer's report says (--shm true asks for them).
     lat = []
     seen = set()
     lock = threading.Lock()
@@ -203,9 +202,10 @@ def main(argv=None, restore_signals=True):
     cp.add_argument("--device", type=int, default=0)
     cp.add_argument("--driver", choices=["auto", "cuda", "sim"], default="auto")
     cp.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the socket to appear")
-    cp.add_argument("--shm", type=_flag, default=True, metavar="true|false",
+    cp.add_argument("--shm", type=_flag, default=None, metavar="true|false",
                     help="carry the messages through two rings in memory shared with the producer, if it allows "
-                         "them, instead of on the socket (as the Go consumer's -shm)")
+                         "them, instead of on the socket (as the Go consumer's -shm; default: only with "
+                         "CUDASHARE_RING=1, see cudashare/ring.py)")
     a = p.parse_args(argv)
     if a.batches < 0 or a.workers < 1 or not 1 <= a.credits <= 1048576:
         p.error("--batches >= 0, --workers >= 1, --credits 1 to 1048576")

@@ -57,7 +57,7 @@ _STOP_WAIT = 10.0
 
 
 def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeout=10.0,
-            frame_timeout=10.0, handle_sigterm=False, wait=0.0, ring=True):
+            frame_timeout=10.0, handle_sigterm=False, wait=0.0, ring=None):
     """Connects to the producer listening at path and returns a Consumer.
 
     device: the GPU (this process's ordinal) to map buffers on. credits: the
@@ -67,8 +67,15 @@ def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeou
     not there yet for that long. handle_sigterm: install a SIGTERM handler
     that says goodbye (closes every consumer) before the previous handler
     runs or the process exits 143; without it, only close(), the context
-    manager and interpreter exit say goodbye.
+    manager and interpreter exit say goodbye. ring: ask the producer for the
+    shared-memory rings (PROTOCOL.md 2.3: no system call per message while
+    both sides are busy) where this process can use them; None: only if
+    CUDASHARE_RING=1 (cudashare/ring.py says why they are not the default).
+    ``stats()["ring"]`` says whether the connection has them,
+    ``ring_reason`` why not.
     """
+    if ring is None:
+        ring = os.environ.get("CUDASHARE_RING", "") == "1"
     if not 1 <= credits <= wire.MAX_CREDITS:
         raise ValueError("credits must be 1 to %d" % wire.MAX_CREDITS)
     deadline = time.monotonic() + max(timeout, wait)
@@ -306,7 +313,7 @@ class Consumer(Reader, Releases):
             if ok:
                 caps |= wire.CAP_RING
         else:
-            self.ring_reason = "not asked for (connect(ring=False))"
+            self.ring_reason = "not asked for (connect(ring=True) or CUDASHARE_RING=1 asks)"
         try:
             self._send([wire.HELLO, wire.VERSION, wire.ROLE_CONSUMER, os.getpid(), os.urandom(16), [],
                         caps, self.credits])

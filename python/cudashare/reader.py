@@ -90,7 +90,7 @@ class Reader:
                 return True
             if self._out is not None:
                 # The rings: the ring first, then sleep on the socket.
-                more = rd.wait(timeout, self._poller, spin=user)
+                more = rd.wait(timeout, self._poller)
             elif not self._poller.poll(int(timeout * 1000 + 0.999)):
                 return True
             else:

@@ -10,8 +10,16 @@ The page asks for sequentially consistent atomic loads, stores and swaps of
 the control words. Python has none, so they come from libatomic (GCC's
 runtime library, ``libatomic.so.1``) through ctypes: its ``__atomic_*_N``
 functions are the C11 atomics on a raw address. Where it cannot be loaded,
-``available()`` says why and the consumer does not ask for the ring: its
-messages go on the socket, as before.
+``available()`` says why and the consumer does not ask for the ring.
+
+A consumer asks for the rings only when told to (``connect(ring=True)``,
+``CUDASHARE_RING=1``): measured on two H100s (32 cores), a Python consumer
+made as many handoffs through the rings as on the socket, with or without a
+torch op per batch, because its bound is the interpreter, not the system
+calls; and the Go producer polls a ring between messages, so each Python
+consumer on the rings costs it about twice the CPU per batch. On a host
+with few, busy cores, where every wake-up of the socket costs a context
+switch, the rings did 1.5x the socket's handoffs (bench/RESULTS.md).
 
 A consumer is always the dialer: it reads ring 0 and writes ring 1. The
 words in the segment belong to a peer that may lie: a tail or head that
@@ -29,7 +37,6 @@ import os
 import socket
 import stat
 import struct
-import time
 
 from . import errors, wire
 from .errors import ProtocolError
@@ -54,9 +61,6 @@ def _load():
     global _atomics, _reason
     if _atomics is not None or _reason is not None:
         return _atomics
-    if os.environ.get("CUDASHARE_RING", "") == "0":
-        _reason = "CUDASHARE_RING=0"
-        return None
     names = [ctypes.util.find_library("atomic"), "libatomic.so.1"]
     lib = None
     for n in names:
@@ -67,6 +71,7 @@ def _load():
             # releasing and taking back the GIL around each would cost more
             # than the call and hand the interpreter to another thread.
             lib = ctypes.PyDLL(n)
+            _reason = None
             break
         except OSError as e:
             _reason = "libatomic: %s" % e
@@ -252,7 +257,6 @@ class RingOut:
 
 SOCK_FRAME_MAX = 4096      # only doorbells and error messages are frames on the socket
 MAX_QUEUED_FDS = 8         # those of the offer being read and of the next (PROTOCOL.md 2.3)
-SPIN = 50e-6               # how long a reader polls the ring before it sleeps on the socket
 BELL = b"\0\0\0\0"          # the doorbell: a frame header of length 0
 _unpack_len = struct.Struct(">I").unpack_from
 
@@ -275,7 +279,6 @@ class RingReader:
         self.partial_since = None
         self.sock_end = False  # the socket reached its end (the ring may still hold bytes)
         self.eof = False       # and the ring is read to its end
-        self.gap = 0.0         # how long the last wait for the ring took
         self._socket_frames()
 
     def close_fds(self):
@@ -323,30 +326,22 @@ class RingReader:
             self.buf += data
         return len(data)
 
-    def wait(self, timeout, poller, spin=True):
-        """Brings bytes from the ring, waiting up to timeout seconds: it
-        polls the ring for a while if spin and the last wait was short (a
-        poll holds the interpreter: only the application's thread, waiting
-        for its next batch, does), then sleeps
-        on the socket (PROTOCOL.md 2.3) and takes what that brings. Returns
-        False once the connection has ended: the socket's end, with the
-        ring read to its end."""
+    def wait(self, timeout, poller):
+        """Brings bytes from the ring, waiting up to timeout seconds: when
+        it is empty, sleeps on the socket at once (PROTOCOL.md 2.3) and takes
+        what that brings. Returns False once the connection has ended: the
+        socket's end, with the ring read to its end.
+
+        It does not poll the ring first, as the Go side does: a Python
+        thread that polls holds the interpreter from every other thread of
+        the application, and on two H100s polling gained nothing here (the
+        interpreter, not the system calls, is a Python consumer's bound)."""
         if self.pull():
             return True
         if self.sock_end:
             self.eof = True
             return False
         r = self.ring
-        t0 = time.monotonic()
-        if spin and self.gap < 4 * SPIN:
-            until = t0 + SPIN
-            while True:
-                if r.ready():
-                    self.gap = time.monotonic() - t0
-                    self.pull()
-                    return True
-                if time.monotonic() > until:
-                    break
         r.sleep()
         try:
             if r.ready():
@@ -356,7 +351,6 @@ class RingReader:
                 self.read_socket()
         finally:
             r.wake()
-        self.gap = time.monotonic() - t0
         if self.pull():
             return True
         if self.sock_end:

@@ -25,7 +25,7 @@ MiB2 = 1 << 21
 def ring_fake(fake, seg=None, **kw):
     f = fake(CAP_RING, seg)
     t = f.serve()
-    c = cudashare.connect(f.path, credits=kw.pop("credits", 4), backend="sim", **kw)
+    c = cudashare.connect(f.path, credits=kw.pop("credits", 4), backend="sim", ring=True, **kw)
     t.join(5)
     return f, c
 
@@ -101,7 +101,7 @@ def test_segment_of_the_wrong_size_fails_the_handshake(fake):
     f = fake(CAP_RING, {"size": 4096})
     t = f.serve()
     with pytest.raises(cudashare.ProtocolError) as ei:
-        cudashare.connect(f.path, backend="sim")
+        cudashare.connect(f.path, backend="sim", ring=True)
     t.join(5)
     assert ei.value.code == E.MALFORMED and "segment" in str(ei.value)
 
@@ -112,7 +112,7 @@ def test_unsealed_segment_fails_the_handshake(fake):
     f = fake(CAP_RING, {"seals": fcntl.F_SEAL_GROW})
     t = f.serve()
     with pytest.raises(cudashare.ProtocolError) as ei:
-        cudashare.connect(f.path, backend="sim")
+        cudashare.connect(f.path, backend="sim", ring=True)
     t.join(5)
     assert ei.value.code == E.MALFORMED and "sealed" in str(ei.value)
 
@@ -221,6 +221,15 @@ def test_ring_full_past_the_write_timeout(fake):
 def test_ring_false_stays_on_the_socket(fake):
     f, c = connected(fake, caps=CAP_RING, ring=False)
     assert not c.stats()["ring"] and f.mem is None and "not asked" in c.ring_reason
+    c.close(timeout=0.5)
+
+
+@pytest.mark.parametrize("env,want", [("", False), ("0", False), ("1", True)])
+def test_rings_by_default_only_with_the_environment(fake, monkeypatch, env, want):
+    """Not the default (ring.py says why); CUDASHARE_RING=1 makes them so."""
+    monkeypatch.setenv("CUDASHARE_RING", env)
+    f, c = connected(fake, caps=CAP_RING)
+    assert c.stats()["ring"] == want and (f.mem is not None) == want
     c.close(timeout=0.5)
 
 
