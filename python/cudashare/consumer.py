@@ -183,6 +183,7 @@ class Consumer(Reader, Releases):
         self._want_ring = want_ring
         self.ring_reason = ""
         self._out = None
+        self._seg = None
         self._bell_left = 0
         self._writing = False    # a ring write is under way (under _wlock)
         self._deferred = []      # frames of a write re-entered meanwhile
@@ -190,13 +191,25 @@ class Consumer(Reader, Releases):
     # --- setup ---
 
     def _send(self, msg):
-        """Writes one message; raises if the write fails or times out."""
+        """Writes one message; raises if the write fails or times out.
+
+        Every writer holds _lock before it takes _wlock. A ring write is a
+        Python loop, in which the garbage collector may run a leaked lease's
+        finalizer, which takes _lock to release the lease: holding _wlock
+        without _lock there could deadlock with a thread that holds _lock and
+        waits for _wlock."""
         frame = wire.pack(msg)
         try:
-            with self._wlock:
+            with self._lock, self._wlock:
                 self._write(frame)
         except ProtocolError as e:
             raise self._protocol_fail(e)  # a producer that broke ring 1's head (ring.py)
+        except OSError as e:
+            # After the handshake a failed write ends the connection: part of
+            # the frame may have gone, and nothing after it can be read.
+            if self._reader is not None and not (self._bye_received or self._bye_sent):
+                self._finish(ProducerGone("write to %s failed: %s" % (self.path, e)))
+            raise
 
     def _write(self, frames):
         """Writes whole frames, into the ring or on the socket; the caller
@@ -205,6 +218,8 @@ class Consumer(Reader, Releases):
         if out is None:
             self._sock.sendall(frames)
             return
+        if self._sock.fileno() < 0:
+            raise BrokenPipeError(errno.EPIPE, "the connection is closed")
         if self._writing:
             # Re-entered in this thread (the only way in while _wlock is
             # held): a leaked lease's finalizer, run by the garbage
@@ -222,23 +237,25 @@ class Consumer(Reader, Releases):
             self._deferred.clear()
 
     def _ring_write(self, out, frames):
-        off, n, stuck, pause = 0, len(frames), None, 0.0
+        """Writes frames into ring 1, waiting while it is full: the whole
+        write within the write timeout, as sendall on the socket (a
+        producer that reads a byte now and then cannot stretch it)."""
+        off, n, start, pause = 0, len(frames), None, 0.0
         while off < n:
             k = out.write(frames, off)
             if k:
                 off += k
-                stuck, pause = None, 0.0
+                pause = 0.0
                 if out.asleep():
                     self._bell()
                 continue
-            # Full: the producer is behind, or stopped. It has the write
-            # timeout to read some, as it has with a full socket.
+            # Full: the producer is behind, or stopped.
             if self._sock_hup():
                 raise BrokenPipeError(errno.EPIPE, "the producer closed the connection and read nothing of a full ring")
             now = time.monotonic()
-            if stuck is None:
-                stuck = now
-            elif now - stuck >= self._write_timeout:
+            if start is None:
+                start = now
+            elif now - start >= self._write_timeout:
                 try:
                     self._send_socket(wire.pack([wire.ERROR, errors.TIMEOUT, "the producer read nothing of a full "
                                                  "ring for %.0fs" % self._write_timeout]), 0.1)
@@ -267,8 +284,11 @@ class Consumer(Reader, Releases):
         b = memoryview(ring.BELL[4 - self._bell_left:] + frame if self._bell_left else frame)
         self._bell_left = 0
         deadline = time.monotonic() + timeout
+        fd = self._sock.fileno()
+        if fd < 0:
+            raise BrokenPipeError(errno.EPIPE, "the connection is closed")
         p = select.poll()
-        p.register(self._sock.fileno(), select.POLLOUT)
+        p.register(fd, select.POLLOUT)
         while b:
             try:
                 b = b[self._sock.send(b):]
@@ -280,13 +300,36 @@ class Consumer(Reader, Releases):
                 raise TimeoutError(errno.ETIMEDOUT, "the producer's socket stayed full")
 
     def _sock_hup(self):
+        fd = self._sock.fileno()
+        if fd < 0:
+            return True  # closed under us (close() in another thread)
         p = select.poll()
-        p.register(self._sock.fileno(), select.POLLOUT)
+        p.register(fd, select.POLLOUT)
         try:
             r = p.poll(0)
         except OSError:
             return True
         return bool(r) and bool(r[0][1] & (select.POLLHUP | select.POLLERR))
+
+    def _unmap_ring(self):
+        """Unmaps the ring segment (PROTOCOL.md 2.3: a side unmaps it when it
+        closes the connection). Ring 0 is touched only by the holder of
+        _rtok and ring 1 only under _wlock, so with both held nothing is
+        using it; each ring checks, under its lock, that the segment is
+        still mapped. A reader stuck past the wait keeps the mapping, which
+        then goes with the last reference to it."""
+        seg = self._seg
+        if seg is None:
+            return
+        # _rtok first: a reader holding it may take _lock.
+        if not self._rtok.acquire(True, 2.0):
+            return
+        try:
+            with self._lock, self._wlock:
+                seg.close()
+                self._seg = None
+        finally:
+            self._rtok.release()
 
     def _take_ring(self):
         """Maps the segment that came with the hello-ack (PROTOCOL.md 2.3):
@@ -302,8 +345,9 @@ class Consumer(Reader, Releases):
                 os.close(fd)
         rd = self._rd
         leftover = bytes(rd.buf[rd.pos:])
-        self._rd = ring.RingReader(self._sock, seg.inbound, leftover, rd.frame_timeout)
-        self._out = seg.outbound
+        inbound, self._out = seg.rings()
+        self._seg = seg
+        self._rd = ring.RingReader(self._sock, inbound, leftover, rd.frame_timeout)
         self._sock.settimeout(0.0)
 
     def _handshake(self, timeout, backend):
@@ -530,7 +574,9 @@ class Consumer(Reader, Releases):
                 raise ValueError("grant %d: the window may not exceed %d" % (n, wire.MAX_CREDITS))
             self._window += n
             self._push_at = max(1, min(wire.MAX_RELEASE_SEQS, self._window // 4))
-        self._send([wire.CREDIT, n])
+            # Written under _lock: every writer takes _lock before _wlock
+            # (_send says why).
+            self._send([wire.CREDIT, n])
 
     @property
     def backend(self):
@@ -606,6 +652,7 @@ class Consumer(Reader, Releases):
             pass
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(2.0)
+        self._unmap_ring()
         self._sock.close()
         self._rd.close_fds()
         with self._lock:

@@ -133,12 +133,11 @@ class Reader:
         if not err.remote:
             try:
                 frame = wire.pack([wire.ERROR, err.code, str(err)[:wire.MAX_TEXT]])
-                if self._out is not None:
-                    with self._wlock:
+                with self._lock, self._wlock:  # _lock first: consumer._send says why
+                    if self._out is not None:
                         self._send_socket(frame, 0.1)  # the socket carries errors on a ring connection
-                else:
-                    self._sock.settimeout(0.1)
-                    with self._wlock:
+                    else:
+                        self._sock.settimeout(0.1)
                         self._sock.sendall(frame)
             except OSError:
                 pass
@@ -331,7 +330,7 @@ class Reader:
         if self._end is not None and not isinstance(self._end, Closed):
             return False
         try:
-            with self._wlock:
+            with self._lock, self._wlock:  # _lock first: consumer._send says why
                 self._write(frames)
             return True
         except ProtocolError as e:

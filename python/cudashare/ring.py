@@ -31,6 +31,7 @@ before anything decodes them.
 import array
 import ctypes
 import ctypes.util
+import errno
 import fcntl
 import mmap
 import os
@@ -137,14 +138,27 @@ class Segment:
             e = ctypes.get_errno()
             raise ProtocolError(errors.INTERNAL, "mmap of the ring segment: %s" % os.strerror(e))
         self.base = p
+        self._at = at
         self._munmap = libc.munmap
-        self.inbound = RingIn(self, p, at)     # ring 0: producer -> consumer
-        self.outbound = RingOut(self, p, at)   # ring 1: consumer -> producer
 
-    def __del__(self):
+    def rings(self):
+        """(ring 0 to read, ring 1 to write). Each keeps the segment; the
+        segment keeps neither (no cycle: it goes with the last of them)."""
+        return RingIn(self, self.base, self._at), RingOut(self, self.base, self._at)
+
+    def close(self):
+        """Unmaps the segment. The caller excludes every user of its rings
+        (each checks, under the lock that the caller holds, that it is
+        still mapped); idempotent."""
         if self.base is not None:
             self._munmap(self.base, SEG_SIZE)
             self.base = None
+
+    __del__ = close
+
+
+def _unmapped():
+    return OSError(errno.EBADF, "the ring segment is unmapped: the connection is closed")
 
 
 _libc_fns = None
@@ -178,11 +192,15 @@ class RingIn:
         self._load8, self._store8, _x8, self._load4, self._xchg4 = at
 
     def ready(self):
+        if self.seg.base is None:
+            raise _unmapped()
         return self._load8(self._tail, _SEQ_CST) != self.pos
 
     def read(self, room):
         """Copies out up to room bytes the producer has published; b"" if
         none."""
+        if self.seg.base is None:
+            raise _unmapped()
         avail = (self._load8(self._tail, _SEQ_CST) - self.pos) & wire.U64
         if avail > RING_SIZE:
             raise _malformed("ring tail %d bytes ahead of what was read (ring of %d)", avail, RING_SIZE)
@@ -203,10 +221,13 @@ class RingIn:
     def sleep(self):
         """Says this reader may sleep on the socket. A swap: ordered before
         the load of tail that follows (PROTOCOL.md 2.3)."""
+        if self.seg.base is None:
+            raise _unmapped()
         self._xchg4(self._sleeping, 1, _SEQ_CST)
 
     def wake(self):
-        self._xchg4(self._sleeping, 0, _SEQ_CST)
+        if self.seg.base is not None:
+            self._xchg4(self._sleeping, 0, _SEQ_CST)
 
 
 class RingOut:
@@ -226,6 +247,8 @@ class RingOut:
     def write(self, b, off=0):
         """Copies as much of b[off:] as there is room for and publishes it;
         returns how much (0: the ring is full)."""
+        if self.seg.base is None:
+            raise _unmapped()
         head = self._load8(self._head, _SEQ_CST)
         if ((head - self.seen) & wire.U64) > RING_SIZE or ((self.pos - head) & wire.U64) > RING_SIZE:
             raise _malformed("ring head moved from %d to %d, with %d written", self.seen, head, self.pos)
@@ -249,14 +272,15 @@ class RingOut:
     def asleep(self):
         """Whether the producer sleeps on the socket and needs the doorbell;
         true once per sleep."""
+        if self.seg.base is None:
+            raise _unmapped()
         return self._load4(self._sleeping, _SEQ_CST) != 0 and self._xchg4(self._sleeping, 0, _SEQ_CST) != 0
 
-    def flushed(self):
-        return self._load8(self._head, _SEQ_CST) == self.pos
 
 
 SOCK_FRAME_MAX = 4096      # only doorbells and error messages are frames on the socket
 MAX_QUEUED_FDS = 8         # those of the offer being read and of the next (PROTOCOL.md 2.3)
+TAKE_FDS_READS = 16        # socket reads an offer's descriptors may take (each up to a page of doorbells)
 BELL = b"\0\0\0\0"          # the doorbell: a frame header of length 0
 _unpack_len = struct.Struct(">I").unpack_from
 
@@ -424,7 +448,11 @@ class RingReader:
         """Claims the first n queued descriptors for an offer read from the
         ring; they left on the socket before it, so the socket is read
         without waiting until they are there."""
-        while len(self.fds) < n and not self.sock_end:
+        reads = 0
+        while len(self.fds) < n and not self.sock_end and reads < TAKE_FDS_READS:
+            # Bounded: a producer that sends doorbells without the
+            # descriptors it declared must not hold this thread.
+            reads += 1
             if not self.read_socket():
                 break
         if n > len(self.fds):

@@ -6,7 +6,9 @@ or writes outside the segment, or keeps a descriptor."""
 
 import fcntl
 import os
+import socket
 import struct
+import threading
 import time
 
 import pytest
@@ -79,22 +81,48 @@ def test_offers_releases_retire_goodbye_through_the_rings(fake):
     assert f.recv() is None  # the consumer's socket ended after its goodbye
 
 
-def test_goodbye_in_the_ring_then_close_is_a_clean_end(fake):
-    """The producer writes goodbye into the ring and closes its socket at
-    once (with the consumer's doorbells maybe unread, which AF_UNIX reports
-    as a reset): the ring is read to its end first, so the end is the
-    goodbye, not a vanished producer."""
-    f, c = ring_fake(fake)
+def test_goodbye_in_the_ring_then_close_with_doorbells_unread_is_a_clean_end(fake):
+    """The producer sleeps on its socket (so the consumer rings doorbells it
+    never reads), writes an offer and goodbye into the ring without a
+    doorbell while the consumer sleeps on its socket, and closes: AF_UNIX
+    reports that to the consumer as a reset, not end of stream. The ring is
+    still read to its end, so the offer comes and the end is the goodbye,
+    not a vanished producer."""
+    f, c = ring_fake(fake, credits=1)
+    struct.pack_into("<I", f.mem, 256 + 136, 1)  # ring 1's reader (the fake) sleeps
     offer_fd(f, 1)
-    f.send([8, "bye"])
+    c.next(timeout=5).release()  # pushed at once (credits 1): into ring 1, and a doorbell
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            if f.conn.recv(4, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                break
+        except BlockingIOError:
+            time.sleep(0.01)
+    assert f.conn.recv(4, socket.MSG_PEEK) == b"\0\0\0\0"  # and it stays unread
+    got = []
+
+    def take():
+        try:
+            got.append(c.next(timeout=5).seq)  # the ring is empty: it sleeps on the socket
+            c.next(timeout=5)
+        except Exception as e:
+            got.append(e)
+    t = threading.Thread(target=take)
+    t.start()
+    time.sleep(0.3)
+    f.ring_write(frame(offer_msg_2()), bell=False)
+    f.ring_write(frame([8, "bye"]), bell=False)
     f.conn.close()
     f.conn = None
-    got = []
-    for lease in c:
-        got.append(lease.seq)
-        lease.release()
-    assert got == [1]
+    t.join(10)
+    assert got[0] == 2 and isinstance(got[1], cudashare.Closed) and not isinstance(got[1], cudashare.ProducerGone), got
     c.close(timeout=0.5)
+
+
+def offer_msg_2():
+    from fakeproducer import offer_msg
+    return offer_msg(2, size=4096, kind=1)
 
 
 def test_segment_of_the_wrong_size_fails_the_handshake(fake):
@@ -150,6 +178,116 @@ def test_head_moved_backwards_fails_the_release(fake):
     assert ei.value.code == E.MALFORMED and "head" in str(ei.value)
     m = f.recv_until(9)
     assert m is not None and m[1] == E.MALFORMED
+    c.close(timeout=0.5)
+
+
+def test_head_behind_what_was_read_fails_the_write(fake):
+    f, c = ring_fake(fake)
+    c.grant(1)
+    assert f.recv() == [7, 1]   # the fake's head moves past it
+    c.grant(1)                  # the consumer sees that head
+    assert f.recv() == [7, 1]
+    f.word(256 + 128, 0)        # backwards
+    with pytest.raises(cudashare.ProtocolError) as ei:
+        c.grant(1)
+    assert ei.value.code == E.MALFORMED and "head" in str(ei.value)
+    m = f.recv_until(9)
+    assert m is not None and m[1] == E.MALFORMED
+    c.close(timeout=0.5)
+
+
+def test_write_timeout_bounds_the_whole_write(fake):
+    """A producer that reads a byte now and then cannot stretch a write past
+    the write timeout: it bounds the whole write, as sendall's does."""
+    f, c = ring_fake(fake, write_timeout=0.5)
+    while RING - (c._out.pos - f.word(256 + 128)) > 64:  # fill ring 1, unread
+        c.grant(1)
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(0.02):
+            f.word(256 + 128, f.word(256 + 128) + 1)
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(OSError):
+            c._send([8, "x" * 300])  # needs 300 bytes: 6 s at this pace
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        t.join()
+    assert took < 3, took
+    with pytest.raises(cudashare.ProducerGone):
+        c.next(timeout=1)  # the connection ended with the failed write
+    c.close(timeout=0.5)
+
+
+def test_declared_descriptors_that_never_come_fail_in_bounded_time(fake):
+    """An offer that declares a descriptor, then only doorbells: the search
+    for it is bounded, and the offer is malformed."""
+    f, c = ring_fake(fake)
+    stop = threading.Event()
+
+    def bells():
+        while not stop.is_set():
+            try:
+                f.conn.sendall(b"\0\0\0\0" * 1024)
+            except OSError:
+                return
+    f.ring_write(frame([3, 1, 1, 1, bytes(64), MiB2, 0, 4096, b"\xaa" * 16, None, None, 1, 1]), bell=False)
+    t = threading.Thread(target=bells, daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(cudashare.ProtocolError) as ei:
+            c.next(timeout=5)
+        assert time.monotonic() - t0 < 3
+    finally:
+        stop.set()
+        t.join(5)
+    assert ei.value.code == E.MALFORMED and "descriptor" in str(ei.value)
+    c.close(timeout=0.5)
+
+
+def test_close_unmaps_and_later_writes_fail(fake):
+    def mapped():
+        with open("/proc/self/maps") as m:
+            return sum("cudashare-ring" in l for l in m)
+    before = mapped()
+    f, c = ring_fake(fake)
+    assert mapped() == before + 2  # the fake's mapping and the consumer's
+    c.close(timeout=0.5)
+    assert mapped() == before + 1
+    with pytest.raises(OSError):
+        c.grant(1)
+
+
+def test_writers_hold_the_consumer_lock(fake):
+    """Every ring write runs with _lock held before _wlock: a leaked
+    lease's finalizer that the garbage collector runs inside the write then
+    takes _lock again in the same thread, instead of waiting for a thread
+    that holds _lock and waits for _wlock (a deadlock)."""
+    f, c = ring_fake(fake)
+    out = c._out
+    held = []
+
+    class Watch:
+        def write(self, b, off=0):
+            held.append(c._lock._is_owned())
+            return out.write(b, off)
+
+        def asleep(self):
+            return out.asleep()
+    c._out = Watch()
+    c.grant(1)                     # the application's write
+    offer_fd(f, 1)
+    c.next(timeout=5).release()    # a release, pushed by next() below or the tick
+    with c._lock:
+        c._push_locked()
+    c._protocol_fail(cudashare.ProtocolError(E.MALFORMED, "test"))  # the error goes on the socket
+    c._out = out
+    assert held and all(held), held
     c.close(timeout=0.5)
 
 
