@@ -83,8 +83,9 @@ def main():
     ap.add_argument("--bytes", type=int, default=16, help="--work sum: bytes of each batch summed")
     ap.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the producer's socket")
     ap.add_argument("--batches", type=int, default=0, help="stop after this many (0: until the producer ends)")
-    ap.add_argument("--shm", choices=["true", "false"], default="false",
-                    help="the messages through the shared-memory rings (PROTOCOL.md 2.3) if the producer allows them")
+    ap.add_argument("--shm", choices=["true", "false"], default=None,
+                    help="the messages through the shared-memory rings (PROTOCOL.md 2.3) if the producer allows "
+                         "them (default: only with CUDASHARE_RING=1)")
     a = ap.parse_args()
     rep = {"role": "consumer", "impl": "cudashare-python+torch", "device": a.device, "credits": a.credits,
            "workers": 1, "verify": "torch-" + a.work, "handoffs": 0, "seconds": 0.0, "handoffs_per_s": 0.0,
@@ -121,7 +122,7 @@ def main():
     t0 = t1 = None
     try:
         c = cudashare.connect(a.socket, device=a.device, credits=a.credits, backend="cuda", wait=a.wait,
-                              handle_sigterm=True, ring=a.shm == "true")
+                              handle_sigterm=True, ring=None if a.shm is None else a.shm == "true")
     except (FileNotFoundError, ConnectionRefusedError) as e:
         rep.update(error="no producer at %s: %s" % (a.socket, e), exit=4)
         return out(rep, 4)
