@@ -28,7 +28,6 @@ fails the connection (``malformed``), and bytes are copied out of the ring
 before anything decodes them.
 """
 
-import array
 import ctypes
 import ctypes.util
 import errno
@@ -285,56 +284,19 @@ BELL = b"\0\0\0\0"          # the doorbell: a frame header of length 0
 _unpack_len = struct.Struct(">I").unpack_from
 
 
-class RingReader:
-    """The reading side of a ring connection, with wire.FrameReader's
-    interface (next_frame, take_fds, check_partial, close_fds, fds, eof):
-    frames from ring 0; doorbells, descriptors, an error and the end from
-    the socket, which is non-blocking. It holds at most one frame and one
-    read of the ring, one socket frame and MAX_QUEUED_FDS descriptors."""
+class RingReader(wire.FrameReader):
+    """The reading side of a ring connection, a wire.FrameReader whose
+    frames come from ring 0 (next_frame, close_fds, fds, eof as there);
+    doorbells, descriptors, an error and the end come from the socket,
+    which is non-blocking. It holds at most one frame and one read of the
+    ring, one socket frame and MAX_QUEUED_FDS descriptors."""
 
     def __init__(self, sock, ring_in, leftover, frame_timeout):
-        self.sock = sock
+        super().__init__(sock, frame_timeout)
         self.ring = ring_in
-        self.buf = bytearray()
-        self.pos = 0
         self.sbuf = bytearray(leftover)  # socket bytes not yet taken (after the hello-ack)
-        self.fds = []
-        self.frame_timeout = frame_timeout
-        self.partial_since = None
         self.sock_end = False  # the socket reached its end (the ring may still hold bytes)
-        self.eof = False       # and the ring is read to its end
         self._socket_frames()
-
-    def close_fds(self):
-        fds, self.fds = self.fds, []
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-    def next_frame(self):
-        """The next whole frame body read from the ring, or None."""
-        buf, pos = self.buf, self.pos
-        have = len(buf) - pos
-        if have < 4:
-            return None
-        (n,) = _unpack_len(buf, pos)
-        if n == 0:
-            raise wire.malformed("frame of length 0 in the ring")
-        if n > wire.FRAME_CAP:
-            raise ProtocolError(errors.FRAME_TOO_LARGE, "frame of %d bytes, cap %d" % (n, wire.FRAME_CAP))
-        if have < 4 + n:
-            return None
-        self.partial_since = None
-        end = pos + 4 + n
-        body = buf[pos + 4:end]
-        if end == len(buf):
-            buf.clear()
-            self.pos = 0
-        else:
-            self.pos = end
-        return body
 
     def pull(self):
         """Copies what ring 0 holds (as much as fits) into the buffer;
@@ -395,27 +357,7 @@ class RingReader:
             # (AF_UNIX reports it so), and the ring is still read to its end.
             self.sock_end = True
             return True
-        got = []
-        bad = None
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                a = array.array("i")
-                a.frombytes(payload[: len(payload) - len(payload) % a.itemsize])
-                got.extend(a)
-            else:
-                bad = wire.malformed("control message (%d, %d) that is not SCM_RIGHTS", level, kind)
-        if flags & socket.MSG_CTRUNC:
-            bad = wire.malformed("more than %d descriptors with one doorbell", wire.MAX_FDS)
-        elif len(self.fds) + len(got) > MAX_QUEUED_FDS:
-            bad = wire.malformed("%d descriptors unclaimed, limit %d", len(self.fds) + len(got), MAX_QUEUED_FDS)
-        if bad is not None:
-            for fd in got:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            raise bad
-        self.fds.extend(got)
+        self.fds.extend(wire.received_fds(anc, flags, len(self.fds), MAX_QUEUED_FDS))
         if not data:
             self.sock_end = True
             return True
@@ -463,10 +405,4 @@ class RingReader:
     def check_partial(self, now):
         """Raises a timeout error if half a frame has waited too long.
         Descriptors may wait here for their offer: they come first."""
-        if len(self.buf) == self.pos:
-            self.partial_since = None
-            return
-        if self.partial_since is None:
-            self.partial_since = now
-        elif now - self.partial_since > self.frame_timeout:
-            raise ProtocolError(errors.TIMEOUT, "half a frame held for more than %.0fs" % self.frame_timeout)
+        self.check_frame_age(now)

@@ -195,6 +195,40 @@ class Offer:
 _monotonic_ns = time.monotonic_ns
 
 
+def received_fds(anc, flags, pending, limit, accept_fds=True):
+    """The descriptors that came with one recvmsg (its ancillary data and
+    flags), with pending already queued and at most limit in all. Anything
+    wrong (another kind of control message, a truncated one, descriptors
+    not advertised for, too many) closes every one of them and raises."""
+    got = []
+    bad = None
+    for level, kind, payload in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(payload[: len(payload) - len(payload) % a.itemsize])
+            got.extend(a)
+        else:
+            bad = malformed("control message (%d, %d) that is not SCM_RIGHTS", level, kind)
+    if flags & socket.MSG_CTRUNC:
+        bad = malformed("more than %d descriptors with one message", MAX_FDS)
+    elif got and not accept_fds:
+        bad = ProtocolError(errors.UNEXPECTED_MESSAGE, "%d descriptors, and this consumer did not advertise fds" % len(got))
+    elif pending + len(got) > limit:
+        bad = malformed("%d descriptors pending, limit %d", pending + len(got), limit)
+    if bad is not None:
+        close_fds(got)
+        raise bad
+    return got
+
+
+def close_fds(fds):
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 class FrameReader:
     """Reads frames and the descriptors that come with them from a socket.
 
@@ -214,11 +248,7 @@ class FrameReader:
 
     def close_fds(self):
         fds, self.fds = self.fds, []
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        close_fds(fds)
 
     def take_fds(self, n):
         """Claims the first n queued descriptors for an offer (section 5)."""
@@ -257,29 +287,7 @@ class FrameReader:
             self.pos = 0
         want = min(READ_CHUNK, 4 + FRAME_CAP - len(self.buf)) if len(self.buf) < 4 + FRAME_CAP else 1
         data, anc, flags, _ = self.sock.recvmsg(max(want, 1), socket.CMSG_SPACE(MAX_FDS * 4))
-        got = []
-        bad = None
-        for level, kind, payload in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                a = array.array("i")
-                a.frombytes(payload[: len(payload) - len(payload) % a.itemsize])
-                got.extend(a)
-            else:
-                bad = malformed("control message (%d, %d) that is not SCM_RIGHTS", level, kind)
-        if flags & socket.MSG_CTRUNC:
-            bad = malformed("more than %d descriptors with one message", MAX_FDS)
-        elif got and not accept_fds:
-            bad = ProtocolError(errors.UNEXPECTED_MESSAGE, "%d descriptors, and this consumer did not advertise fds" % len(got))
-        elif len(self.fds) + len(got) > MAX_FDS:
-            bad = malformed("%d descriptors pending, limit %d", len(self.fds) + len(got), MAX_FDS)
-        if bad is not None:
-            for fd in got:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-            raise bad
-        self.fds.extend(got)
+        self.fds.extend(received_fds(anc, flags, len(self.fds), MAX_FDS, accept_fds))
         if not data:
             self.eof = True
             return False
@@ -289,10 +297,14 @@ class FrameReader:
     def check_partial(self, now):
         """Raises a timeout error if half a frame has waited too long;
         checks descriptors that no frame can claim (section 5)."""
+        if len(self.buf) == self.pos and self.fds:
+            raise malformed("%d descriptors arrived with no message to claim them", len(self.fds))
+        self.check_frame_age(now)
+
+    def check_frame_age(self, now):
+        """Raises a timeout error if half a frame has waited too long."""
         if len(self.buf) == self.pos:
             self.partial_since = None
-            if self.fds:
-                raise malformed("%d descriptors arrived with no message to claim them", len(self.fds))
             return
         if self.partial_since is None:
             self.partial_since = now

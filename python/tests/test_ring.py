@@ -125,24 +125,18 @@ def offer_msg_2():
     return offer_msg(2, size=4096, kind=1)
 
 
-def test_segment_of_the_wrong_size_fails_the_handshake(fake):
-    f = fake(CAP_RING, {"size": 4096})
+@pytest.mark.parametrize("seg,why", [
+    ({"size": 4096}, "segment"),
+    # One the producer could shrink under the mapping: every later access would fault.
+    ({"seals": fcntl.F_SEAL_GROW}, "sealed"),
+])
+def test_bad_segment_fails_the_handshake(fake, seg, why):
+    f = fake(CAP_RING, seg)
     t = f.serve()
     with pytest.raises(cudashare.ProtocolError) as ei:
         cudashare.connect(f.path, backend="sim", ring=True)
     t.join(5)
-    assert ei.value.code == E.MALFORMED and "segment" in str(ei.value)
-
-
-def test_unsealed_segment_fails_the_handshake(fake):
-    """A segment the producer could shrink under the mapping: every later
-    access would fault."""
-    f = fake(CAP_RING, {"seals": fcntl.F_SEAL_GROW})
-    t = f.serve()
-    with pytest.raises(cudashare.ProtocolError) as ei:
-        cudashare.connect(f.path, backend="sim", ring=True)
-    t.join(5)
-    assert ei.value.code == E.MALFORMED and "sealed" in str(ei.value)
+    assert ei.value.code == E.MALFORMED and why in str(ei.value)
 
 
 def test_tail_beyond_the_ring_is_malformed(fake):
