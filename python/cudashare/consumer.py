@@ -157,6 +157,7 @@ class Consumer(Reader, Releases):
         # Whoever holds _rtok reads the socket: the thread waiting in
         # next() when there is one, else the background reader.
         self._rtok = threading.Lock()
+        self._rtok_owner = None  # the thread that holds _rtok (_take_rtok)
         self._user_t = 0.0       # when a next() last returned or waited
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
@@ -206,8 +207,11 @@ class Consumer(Reader, Releases):
             raise self._protocol_fail(e)  # a producer that broke ring 1's head (ring.py)
         except OSError as e:
             # After the handshake a failed write ends the connection: part of
-            # the frame may have gone, and nothing after it can be read.
-            if self._reader is not None and not (self._bye_received or self._bye_sent):
+            # the frame may have gone, and nothing after it can be read. A
+            # producer that closed after saying why is left to the reader,
+            # which reads the why (as _send_quiet_frames does).
+            if (self._reader is not None and not (self._bye_received or self._bye_sent)
+                    and not self._peer_closed_with_more(e)):
                 self._finish(ProducerGone("write to %s failed: %s" % (self.path, e)))
             raise
 
@@ -256,12 +260,12 @@ class Consumer(Reader, Releases):
             if start is None:
                 start = now
             elif now - start >= self._write_timeout:
+                why = "the producer made too little room in a full ring within %.3gs" % self._write_timeout
                 try:
-                    self._send_socket(wire.pack([wire.ERROR, errors.TIMEOUT, "the producer read nothing of a full "
-                                                 "ring for %.0fs" % self._write_timeout]), 0.1)
+                    self._send_socket(wire.pack([wire.ERROR, errors.TIMEOUT, why]), 0.1)
                 except OSError:
                     pass
-                raise TimeoutError(errno.ETIMEDOUT, "the producer read nothing of a full ring for %.0fs" % self._write_timeout)
+                raise TimeoutError(errno.ETIMEDOUT, why)
             pause = min(max(2 * pause, 10e-6), 1e-3)
             time.sleep(pause)
 
@@ -319,17 +323,32 @@ class Consumer(Reader, Releases):
         still mapped. A reader stuck past the wait keeps the mapping, which
         then goes with the last reference to it."""
         seg = self._seg
-        if seg is None:
+        if seg is None or self._rtok_owner == threading.get_ident():
+            # This thread reads the ring further down its stack: close() from
+            # a signal handler, or a finalizer, in the middle of a read.
             return
         # _rtok first: a reader holding it may take _lock.
         if not self._rtok.acquire(True, 2.0):
             return
         try:
             with self._lock, self._wlock:
+                if self._writing:
+                    return  # the same, in the middle of a ring write (the locks are re-entrant)
                 seg.close()
                 self._seg = None
         finally:
             self._rtok.release()
+
+    def _take_rtok(self):
+        """Takes the socket to read it, without waiting; see _rtok."""
+        if self._rtok.acquire(False):
+            self._rtok_owner = threading.get_ident()
+            return True
+        return False
+
+    def _give_rtok(self):
+        self._rtok_owner = None
+        self._rtok.release()
 
     def _take_ring(self):
         """Maps the segment that came with the hello-ack (PROTOCOL.md 2.3):
@@ -465,11 +484,11 @@ class Consumer(Reader, Releases):
                 self._push_locked()
                 self._user_t = time.monotonic()
             # The socket is free: read it here, in the caller's thread.
-            if self._rtok.acquire(False):
+            if self._take_rtok():
                 try:
                     self._pump(min(left, BG_POLL), user=True)
                 finally:
-                    self._rtok.release()
+                    self._give_rtok()
                 continue
             with lock:
                 self._waiters += 1

@@ -46,7 +46,6 @@ class Reader:
         busy with a batch; while the application keeps calling next(), the
         thread in next() reads the socket itself (no hop between threads)
         and this one only ticks, pushing releases older than RELEASE_DELAY."""
-        rtok = self._rtok
         lock = self._lock
         monotonic = time.monotonic
         while not self._stop and not self._eof.is_set():
@@ -55,7 +54,7 @@ class Reader:
                 with lock:
                     if self._npend and now - self._pend_t >= RELEASE_DELAY:
                         self._push_locked()
-            if self._waiters or now - self._user_t < HANDOVER or not rtok.acquire(False):
+            if self._waiters or now - self._user_t < HANDOVER or not self._take_rtok():
                 time.sleep(TICK)
                 continue
             try:
@@ -69,7 +68,7 @@ class Reader:
                             if self._npend and monotonic() - self._pend_t >= RELEASE_DELAY:
                                 self._push_locked()
             finally:
-                rtok.release()
+                self._give_rtok()
             self._wake()
 
     def _pump(self, timeout, user=False):

@@ -149,9 +149,10 @@ class Segment:
         """Unmaps the segment. The caller excludes every user of its rings
         (each checks, under the lock that the caller holds, that it is
         still mapped); idempotent."""
-        if self.base is not None:
-            self._munmap(self.base, SEG_SIZE)
-            self.base = None
+        b = self.base
+        if b is not None:
+            self.base = None  # first: nothing checks a mapped segment that is going
+            self._munmap(b, SEG_SIZE)
 
     __del__ = close
 

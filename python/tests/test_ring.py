@@ -402,3 +402,90 @@ def test_write_reentered_by_a_finalizer_does_not_interleave(fake):
     assert entered and f.recv() == [7, 3] and f.recv() == [7, 5]
     c._out = out
     c.close(timeout=0.5)
+
+
+def test_close_in_the_middle_of_a_ring_write_keeps_the_mapping(fake):
+    """close() from a signal handler (or anything else that runs in the
+    writing thread) while a ring write is under way: the locks are
+    re-entrant, so close() gets in, but it must not unmap the segment under
+    the write, which then goes on (it used to crash the process)."""
+    f, c = ring_fake(fake)
+    out = c._out
+    closed = []
+
+    class Interrupted:
+        def write(self, b, off=0):
+            if not closed:
+                closed.append(1)
+                c.close(timeout=0.1)  # what the SIGTERM handler does, in this thread
+            return out.write(b, off)
+
+        def asleep(self):
+            return out.asleep()
+    c._out = Interrupted()
+    try:
+        c.grant(1)
+    except OSError:
+        pass  # the doorbell after it may find the socket closed
+    assert closed and c._seg is not None  # left to the garbage collector
+
+
+def test_close_in_the_middle_of_a_read_returns_promptly(fake):
+    """close() in the thread that reads the ring (a signal handler during
+    next()): it cannot wait for that thread to let go of the socket, so it
+    neither waits nor unmaps."""
+    f, c = ring_fake(fake)
+    rd = c._rd
+    real = rd.wait
+    took = []
+
+    def wait(timeout, poller):
+        if not took:
+            t0 = time.monotonic()
+            c.close(timeout=0.1)
+            took.append(time.monotonic() - t0)
+        return real(timeout, poller)
+    rd.wait = wait
+    with pytest.raises(cudashare.Closed):
+        c.next(timeout=2)
+    assert took and took[0] < 1.5, took
+    assert c._seg is not None
+
+
+def test_ring_calls_after_unmap_raise(fake):
+    f, c = ring_fake(fake)
+    out, rin = c._out, c._rd.ring
+    c.close(timeout=0.5)
+    assert c._seg is None
+    for call in (lambda: out.write(b"x"), out.asleep, rin.ready, lambda: rin.read(10), rin.sleep):
+        with pytest.raises(OSError):
+            call()
+
+
+@pytest.mark.parametrize("rings", [False, True])
+def test_failed_write_leaves_the_producers_error_to_the_reader(fake, rings):
+    """The producer says why and closes; a write of the application's fails
+    before the reader has read the why: the end is the producer's error,
+    not a vanished producer."""
+    f, c = (ring_fake(fake) if rings else connected(fake))
+    c._user_t = time.monotonic() + 1e6  # the background reader stays off the socket
+    time.sleep(0.1)
+    assert c._rtok.acquire(timeout=2)
+    try:
+        why = [9, E.TIMEOUT, "dropped: too slow"]
+        if rings:
+            f.raw(frame(why))  # errors go on the socket of a ring connection
+        else:
+            f.send(why)
+        f.conn.close()
+        f.conn = None
+        time.sleep(0.05)
+        with pytest.raises(OSError):
+            for _ in range(RING):
+                c.grant(1)
+    finally:
+        c._rtok.release()
+    with pytest.raises(cudashare.ProtocolError) as ei:
+        c.next(timeout=2)
+    assert ei.value.remote and ei.value.code == E.TIMEOUT
+    c.close(timeout=0.2)
