@@ -360,8 +360,7 @@ class Consumer(Reader, Releases):
                 raise wire.malformed("hello-ack with the ring capability and %d descriptors, want 1 (the segment)", len(fds))
             seg = ring.Segment(fds[0])
         finally:
-            for fd in fds:
-                os.close(fd)
+            wire.close_fds(fds)
         rd = self._rd
         leftover = bytes(rd.buf[rd.pos:])
         inbound, self._out = seg.rings()
