@@ -198,7 +198,9 @@ func (d *decoder) decodeOffer(r *reader, n int, o *Offer) (err error) {
 	o.Meta = nil
 	if !r.isNil() {
 		start := r.off
-		if err := r.skip(1); err != nil {
+		if n, ok := scanValue(r.b[r.off:]); ok {
+			r.off += n
+		} else if err := r.skip(1); err != nil {
 			return fmt.Errorf("offer.meta: %w", err)
 		}
 		if r.off-start > MaxMetaSize {

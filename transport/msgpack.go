@@ -311,6 +311,9 @@ func checkMeta(p []byte) error {
 	if len(p) == 0 {
 		return nil
 	}
+	if n, ok := scanValue(p); ok && n == len(p) {
+		return nil
+	}
 	r := reader{b: p}
 	if err := r.skip(1); err != nil {
 		return fmt.Errorf("offer.meta: %w", err)
