@@ -198,8 +198,8 @@ func (d *decoder) decodeOffer(r *reader, n int, o *Offer) (err error) {
 	o.Meta = nil
 	if !r.isNil() {
 		start := r.off
-		if n, ok := scanValue(r.b[r.off:]); ok {
-			r.off += n
+		if m, ok := scanValue(r.b[r.off:]); ok {
+			r.off += m
 		} else if err := r.skip(1); err != nil {
 			return fmt.Errorf("offer.meta: %w", err)
 		}

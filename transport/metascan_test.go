@@ -125,6 +125,8 @@ func TestScanValueLeavesToSkip(t *testing.T) {
 		{"str 16", mustMarshal(strings.Repeat("a", 300)), true},
 		{"array 16", mustMarshal(make([]any, 20)), true},
 		{"invalid UTF-8", []byte{0xa2, 0xc3, 0x28}, false},
+		{"a lone 0x80 in a str", []byte{0xa5, 0x30, 0x80, 0x30, 0x30, 0x30}, false},
+		{"a lone 0x80 in a key", []byte{0x81, 0xa1, 0x80, 0x01}, false},
 		{"an int key", []byte{0x81, 0x01, 0x01}, false},
 		{"ext", []byte{0xd4, 0x01, 0x02}, false},
 		{"0xc1", []byte{0xc1}, false},
@@ -135,6 +137,9 @@ func TestScanValueLeavesToSkip(t *testing.T) {
 		{"bytes after the value", append(append([]byte{}, exampleMeta...), 0x01), false},
 		{"two values", []byte{0xc0, 0xc0}, false},
 	} {
+		if n, ok := scanValue(c.p); ok && n == len(c.p) {
+			t.Errorf("%s: scanValue(% x) took it: the test no longer reaches skip", c.name, c.p)
+		}
 		err := checkMeta(c.p)
 		if c.ok && err != nil {
 			t.Errorf("%s: checkMeta(% x) = %v, want nil", c.name, c.p, err)
