@@ -10,11 +10,11 @@ package transport
 // ok is true only where skip(1) accepts the same bytes: ok false says
 // nothing, and the caller runs skip, which decides and says why. What the
 // fast path leaves to skip: any str that is not all ASCII (skip checks
-// UTF-8); bin, str, array and map with 16- or 32-bit lengths, and map keys
-// of str 16 or 32; ext types and the unused byte 0xc1; values nested
-// deeper than maxDepth; and a value that runs past the end of p. A declared length
-// larger than what is left ends the scan at once, so no input makes it
-// loop for longer than p is long.
+// UTF-8); bin, str, array and map with 16- or 32-bit lengths, and map
+// keys of str 16 or 32; ext types and the unused byte 0xc1; values nested
+// deeper than maxDepth; and a value that runs past the end of p. A
+// declared length larger than what is left ends the scan at once, so no
+// input makes it loop for longer than p is long.
 func scanValue(p []byte) (n int, ok bool) {
 	// left[d]: values still to come in the container open at level d
 	// (level 0 holds the one value scanned); for a map, keys and values
