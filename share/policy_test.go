@@ -461,27 +461,39 @@ func TestShutdownTimeoutSaysGoodbye(t *testing.T) {
 // stream and releases it after the copy (Lease.ReleaseAfter), with no host
 // wait, and a producer that refills with AcquireOn: every release carries
 // the consumer's event, every copy holds its own batch, and both sides
-// end clean. (The simulator's work is synchronous, so the ordering itself
-// is proven on a GPU, where the copy is queued behind 64 MiB of work.)
+// end clean. The simulator's work is synchronous, so the ordering itself
+// is proven on a GPU, where the copy is queued behind about 1 ms of work
+// (sharetest's busyRepeats) and the release reaches the producer long
+// before it. On one GPU the two processes' work may be time-sliced, which
+// can hide a producer that does not wait; with the consumer on another
+// GPU nothing can.
 func TestStreamOrderedRelease(t *testing.T) {
-	env := sharetest.Setup(t)
-	mem := env.FreeMemory(t)
-	defer env.CheckMemory(t, mem)
-	path := sharetest.SocketPath(t)
-	p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamStream, 1),
-		sharetest.EnvParam(sharetest.ParamCount, 300), sharetest.EnvParam(sharetest.ParamRing, 4))
-	p.Expect("LISTENING")
-	c := sharetest.Start(t, "consumer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamStream, 1),
-		sharetest.EnvParam(sharetest.ParamAfter, 1))
-	var prep sharetest.ProducerReport
-	p.Report(&prep)
-	p.Wait()
-	var rep sharetest.ConsumerReport
-	c.Report(&rep)
-	c.Wait()
-	checkConsumer(t, &rep, 300)
-	if s := prep.Stats; s.Offers != 300 || s.OrderedReleases != 300 || s.Releases != 300 || s.Allocations != 0 {
-		t.Errorf("producer stats %+v, want 300 offers, each released stream-ordered", s)
+	for _, tc := range []struct {
+		name   string
+		device int
+	}{{"same", 0}, {"other", 1}} {
+		t.Run(tc.name, func(t *testing.T) {
+			env := sharetest.Setup(t)
+			env.NeedDevices(t, tc.device+1)
+			mem := env.FreeMemory(t)
+			defer env.CheckMemory(t, mem)
+			path := sharetest.SocketPath(t)
+			p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamStream, 1),
+				sharetest.EnvParam(sharetest.ParamCount, 300), sharetest.EnvParam(sharetest.ParamRing, 4))
+			p.Expect("LISTENING")
+			c := sharetest.Start(t, "consumer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamStream, 1),
+				sharetest.EnvParam(sharetest.ParamAfter, 1), sharetest.EnvParam(sharetest.ParamDevice, tc.device))
+			var prep sharetest.ProducerReport
+			p.Report(&prep)
+			p.Wait()
+			var rep sharetest.ConsumerReport
+			c.Report(&rep)
+			c.Wait()
+			checkConsumer(t, &rep, 300)
+			if s := prep.Stats; s.Offers != 300 || s.OrderedReleases != 300 || s.Releases != 300 || s.Allocations != 0 {
+				t.Errorf("producer stats %+v, want 300 offers, each released stream-ordered", s)
+			}
+		})
 	}
 }
 

@@ -300,7 +300,8 @@ func consumer(ce *ChildEnv) error {
 		}
 		var err error
 		if ce.D.Backend() == driver.BackendSim {
-			busySize = 64 << 10 // the sim's work is synchronous: delaying proves nothing
+			// The sim's work is synchronous: delaying proves nothing.
+			busySize, busyRepeats = 64<<10, 1
 		}
 		if busy, err = ce.Ctx.Alloc(busySize); err != nil {
 			return err
@@ -413,8 +414,17 @@ type RawReport struct {
 	FreeErr  string
 }
 
-// busySize is the memset that delays a stream-ordered consumer's copy.
-var busySize uint64 = 64 << 20
+// busySize and busyRepeats are the memsets that delay a stream-ordered
+// consumer's copy: long enough that the release reaches the producer (it
+// is pushed within releaseDelay, 100 µs) well before the copy runs, so
+// that a producer that did not wait for it would overwrite the buffer
+// first. One memset of 64 MiB, about 25 µs on an H100, was not: a producer
+// whose refill did not wait passed TestStreamOrderedRelease on two H100s
+// (2026-11-26). 32 of them take about 1 ms.
+var (
+	busySize    uint64 = 64 << 20
+	busyRepeats        = 32
+)
 
 // releaseAfterCopy queues, on the lease's stream, busy work and then a copy
 // of the lease into scratch, releases the lease stream-ordered, and checks
@@ -426,8 +436,10 @@ func releaseAfterCopy(ctx *driver.Context, l *share.Lease, busy, scratch driver.
 		return errors.New("a lease without a stream")
 	}
 	size := min(l.Size(), 1<<20)
-	if err := ctx.MemsetAsync(busy, byte(n), busySize, s); err != nil {
-		return err
+	for range busyRepeats {
+		if err := ctx.MemsetAsync(busy, byte(n), busySize, s); err != nil {
+			return err
+		}
 	}
 	if err := ctx.CopyDtoDAsync(scratch, l.Ptr(), size, s); err != nil {
 		return err
