@@ -464,9 +464,11 @@ func TestShutdownTimeoutSaysGoodbye(t *testing.T) {
 // end clean. The simulator's work is synchronous, so the ordering itself
 // is proven on a GPU, where the copy is queued behind about 1 ms of work
 // (sharetest's busyRepeats) and the release reaches the producer long
-// before it. On one GPU the two processes' work may be time-sliced, which
-// can hide a producer that does not wait; with the consumer on another
-// GPU nothing can.
+// before it. With the consumer on the other GPU, a producer whose refill
+// did not wait failed three runs in three on two H100s (2026-11-26); with
+// both on one GPU it passed them, since the two processes' work is
+// time-sliced there, and the consumer's queued work ran before the
+// producer's refill.
 func TestStreamOrderedRelease(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
