@@ -324,8 +324,15 @@ func (d *Driver) CtxSynchronize() api.Result {
 	if r := d.ready(); r != api.Success {
 		return r
 	}
-	_, r := d.current()
-	return r
+	c, r := d.current()
+	if r != api.Success {
+		return r
+	}
+	if d.rlock() == api.Success {
+		d.syncedAll(c)
+		d.mu.RUnlock()
+	}
+	return api.Success
 }
 
 // CtxEnablePeerAccess implements api.API. Order: flags, current context,

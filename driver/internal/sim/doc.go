@@ -152,7 +152,9 @@
 // cuCtxGetCurrent, cuEventRecord, cuStreamWaitEvent and cuEventQuery take no
 // lock, do no file I/O and allocate nothing (one gettid system call where
 // the current context is needed). Work is synchronous: a copy has completed
-// when its call returns, so a recorded event is complete.
+// when its call returns, so a recorded event is complete. But the sim
+// remembers which asynchronous work no host wait has covered yet, for one
+// check below (pending.go).
 //
 // # Strictness
 //
@@ -174,6 +176,12 @@
 //     violation "double-release"; cuMemMap of one, "map-released";
 //     cuMemExportToShareableHandle of one, "use-after-release" (all
 //     undefined on the real driver).
+//   - cuIpcCloseMemHandle, or cuMemUnmap of another process's allocation,
+//     while a copy or set queued on a created stream used the mapping and
+//     no host wait has covered it (a stream, context or event
+//     synchronization, or a synchronous copy for a blocking stream):
+//     violation "close-with-pending-work"; the close goes ahead. On a GPU
+//     the work may still be reading the mapping.
 //
 // # Where the codes come from
 //

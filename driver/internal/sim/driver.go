@@ -72,6 +72,8 @@ type Driver struct {
 	violMu  sync.Mutex
 	violErr error // first failure to record a violation
 
+	pend pendingWork // work queued on foreign mappings (pending.go)
+
 	host hostState // page-locked host memory (cuMemHostAlloc)
 }
 

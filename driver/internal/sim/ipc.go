@@ -112,6 +112,7 @@ type binding struct {
 // dropImport unmaps IPC mapping o whatever its count. mu held; registry lock
 // held when regOK.
 func (d *Driver) dropImport(o *memObj, regOK bool) {
+	d.forget(o)
 	if regOK && d.slotIsOurs(o) {
 		d.reg.dropMapper(o.slot, d.self)
 	}
@@ -290,6 +291,7 @@ func (d *Driver) IpcCloseMemHandle(dptr api.DevicePtr) api.Result {
 	if o.refs--; o.refs > 0 {
 		return api.Success
 	}
+	d.closing(o, "cuIpcCloseMemHandle")
 	regOK := d.reg.lock() == nil
 	d.dropImport(o, regOK)
 	if regOK {

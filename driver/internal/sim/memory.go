@@ -173,26 +173,39 @@ func pids(ps []procID) string {
 	return s
 }
 
-// resolve returns the bytes [p, p+n) of one live allocation or mapping. A
-// miss in a freed or closed range is recorded as a violation. mu held.
-func (d *Driver) resolve(p api.DevicePtr, n uint64, call string) ([]byte, api.Result) {
+// resolveObj returns the live allocation or mapping that holds [p, p+n),
+// and those bytes. A miss in a freed or closed range is recorded as a
+// violation. mu held.
+func (d *Driver) resolveObj(p api.DevicePtr, n uint64, call string) (*memObj, []byte, api.Result) {
 	o := d.space.find(uint64(p))
 	if o == nil {
 		if t := d.space.tomb(uint64(p)); t != nil {
 			d.violate(t.kind, fmt.Sprintf("%s at %#x: buffer %d was at [%#x, %#x)", call, uint64(p), t.bufID, t.base, t.end))
 		}
-		return nil, api.ErrorInvalidValue
+		return nil, nil, api.ErrorInvalidValue
 	}
 	off := uint64(p) - o.base
 	if n > o.size-off {
-		return nil, api.ErrorInvalidValue
+		return nil, nil, api.ErrorInvalidValue
 	}
 	if o.vmm != nil && !d.vmmAccessible(o) {
 		d.violate(kindAccessDenied, fmt.Sprintf("%s at %#x: mapping [%#x, %#x) of global %d has no access for this context's device (cuMemSetAccess)",
 			call, uint64(p), o.base, o.base+o.size, o.gid))
-		return nil, api.ErrorInvalidValue
+		return nil, nil, api.ErrorInvalidValue
 	}
-	return o.data[off : off+n], api.Success
+	return o, o.data[off : off+n], api.Success
+}
+
+// copied notes a copy or set that used a and b (either may be nil): on
+// stream if async, else a synchronous call on the legacy default stream,
+// which waited for the work queued before it on the blocking streams of
+// the current context (pending.go). mu held, for reading at least.
+func (d *Driver) copied(stream api.Stream, async bool, a, b *memObj) {
+	if async {
+		d.queued(stream, a, b)
+	} else if c, r := d.current(); r == api.Success {
+		d.syncedBlocking(c)
+	}
 }
 
 // MemAlloc implements api.API. Memory is charged to the device in
@@ -414,13 +427,14 @@ func (d *Driver) memset(dst api.DevicePtr, value uint8, n uint64, stream api.Str
 	if n == 0 {
 		return api.Success
 	}
-	b, r := d.resolve(dst, n, "cuMemsetD8")
+	o, b, r := d.resolveObj(dst, n, "cuMemsetD8")
 	if r != api.Success {
 		return r
 	}
 	for i := range b {
 		b[i] = value
 	}
+	d.copied(stream, async, o, nil)
 	return api.Success
 }
 
@@ -459,7 +473,7 @@ func (d *Driver) memcpyHost(dev api.DevicePtr, host unsafe.Pointer, n uint64, st
 	if host == nil {
 		return api.ErrorInvalidValue
 	}
-	b, r := d.resolve(dev, n, call)
+	o, b, r := d.resolveObj(dev, n, call)
 	if r != api.Success {
 		return r
 	}
@@ -468,22 +482,24 @@ func (d *Driver) memcpyHost(dev api.DevicePtr, host unsafe.Pointer, n uint64, st
 	} else {
 		copy(unsafe.Slice((*byte)(host), n), b)
 	}
+	d.copied(stream, async, o, nil)
 	return api.Success
 }
 
-func (d *Driver) memcpyDtoD(dst, src api.DevicePtr, n uint64, call string) api.Result {
+func (d *Driver) memcpyDtoD(dst, src api.DevicePtr, n uint64, stream api.Stream, async bool, call string) api.Result {
 	if n == 0 {
 		return api.Success
 	}
-	s, r := d.resolve(src, n, call)
+	so, s, r := d.resolveObj(src, n, call)
 	if r != api.Success {
 		return r
 	}
-	t, r := d.resolve(dst, n, call)
+	to, t, r := d.resolveObj(dst, n, call)
 	if r != api.Success {
 		return r
 	}
 	copy(t, s)
+	d.copied(stream, async, to, so)
 	return api.Success
 }
 
@@ -493,7 +509,7 @@ func (d *Driver) MemcpyDtoD(dst, src api.DevicePtr, n uint64) api.Result {
 		return r
 	}
 	defer d.mu.RUnlock()
-	return d.memcpyDtoD(dst, src, n, "cuMemcpyDtoD")
+	return d.memcpyDtoD(dst, src, n, 0, false, "cuMemcpyDtoD")
 }
 
 // MemcpyDtoDAsync implements api.API. It completes before it returns.
@@ -502,7 +518,7 @@ func (d *Driver) MemcpyDtoDAsync(dst, src api.DevicePtr, n uint64, stream api.St
 		return r
 	}
 	defer d.mu.RUnlock()
-	return d.memcpyDtoD(dst, src, n, "cuMemcpyDtoDAsync")
+	return d.memcpyDtoD(dst, src, n, stream, true, "cuMemcpyDtoDAsync")
 }
 
 // MemcpyPeer implements api.API. It needs a current context (measured), and
@@ -517,5 +533,5 @@ func (d *Driver) MemcpyPeer(dst api.DevicePtr, dstCtx api.Context, src api.Devic
 	if d.liveContext(dstCtx) == nil || d.liveContext(srcCtx) == nil {
 		return api.ErrorInvalidContext
 	}
-	return d.memcpyDtoD(dst, src, n, "cuMemcpyPeer")
+	return d.memcpyDtoD(dst, src, n, 0, false, "cuMemcpyPeer")
 }

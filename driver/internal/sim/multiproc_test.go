@@ -206,6 +206,51 @@ func TestProcessFreeWhileMapped(t *testing.T) {
 	}
 }
 
+// TestProcessClosePendingWork: a process that closes its IPC mapping of
+// another process's memory while a copy it queued from it on a stream may
+// still run is a "close-with-pending-work" violation, unless a host wait
+// covered the copy: the stream's, the context's, an event's recorded after
+// it, or a synchronous copy (legacy default stream), which waits for a
+// blocking stream but not for a non-blocking one.
+func TestProcessClosePendingWork(t *testing.T) {
+	for _, tc := range []struct {
+		mode    string
+		pending bool
+	}{
+		{"none", true},
+		{"stream", false},
+		{"event", false},
+		{"ctx", false},
+		{"legacy", false},
+		{"legacy-nonblocking", true},
+	} {
+		t.Run(tc.mode, func(t *testing.T) {
+			lockThread(t)
+			dir := t.TempDir()
+			d := newDriver(t, Config{Dir: dir})
+			primary(t, d, 0)
+			p := alloc(t, d, 4096)
+			c := startHelper(t, "hold", dir, envHelperHandle+"="+handleHex(exportHandle(t, d, p)))
+			c.expect("info")
+			c.expect("opened")
+			c.send("queue " + tc.mode)
+			c.expect("queued")
+			c.send("close")
+			c.expect("closed")
+			c.finish()
+			ok(t, "MemFree", d.MemFree(p))
+			vs := violations(t, d)
+			switch {
+			case tc.pending && (len(vs) != 1 || vs[0].Kind != kindClosePending || vs[0].PID != c.cmd.Process.Pid ||
+				!strings.Contains(vs[0].Detail, "cuIpcCloseMemHandle")):
+				t.Errorf("violations %+v, want one %s by the child", vs, kindClosePending)
+			case !tc.pending && len(vs) != 0:
+				t.Errorf("violations %+v, want none", vs)
+			}
+		})
+	}
+}
+
 // TestProcessKilledMapper: a child killed with SIGKILL counts as unmapped as
 // soon as it is a zombie, before anyone reaps it.
 func TestProcessKilledMapper(t *testing.T) {
@@ -402,6 +447,35 @@ func runHelper(name string) error {
 				fmt.Println("closed")
 			case "touch":
 				fmt.Println("touched", d.MemsetD8(q, 0, 1).Name())
+			case "queue none", "queue stream", "queue event", "queue ctx", "queue legacy", "queue legacy-nonblocking":
+				// A copy from the mapping queued on a stream of its own,
+				// then the host wait the command names (or none).
+				mode := strings.TrimPrefix(cmd, "queue ")
+				flags := uint32(0)
+				if mode == "legacy-nonblocking" {
+					flags = api.StreamNonBlocking
+				}
+				var s api.Stream
+				var local api.DevicePtr
+				var ev api.Event
+				var one [1]byte
+				err := errors.Join(must("StreamCreate", d.StreamCreate(&s, flags)), must("MemAlloc", d.MemAlloc(&local, 256)),
+					must("EventCreate", d.EventCreate(&ev, api.EventDisableTiming)),
+					must("MemcpyDtoDAsync", d.MemcpyDtoDAsync(local, q, 256, s)), must("EventRecord", d.EventRecord(ev, s)))
+				switch mode {
+				case "stream":
+					err = errors.Join(err, must("StreamSynchronize", d.StreamSynchronize(s)))
+				case "event":
+					err = errors.Join(err, must("EventSynchronize", d.EventSynchronize(ev)))
+				case "ctx":
+					err = errors.Join(err, must("CtxSynchronize", d.CtxSynchronize()))
+				case "legacy", "legacy-nonblocking":
+					err = errors.Join(err, must("MemcpyDtoH", d.MemcpyDtoH(unsafe.Pointer(&one[0]), local, 1)))
+				}
+				if err != nil {
+					return err
+				}
+				fmt.Println("queued")
 			case "exit":
 				return nil
 			default:

@@ -29,6 +29,7 @@ type streamState struct {
 	h     api.Stream
 	ctx   *ctxState
 	flags uint32
+	work  streamWork // pending.go
 }
 
 type eventState struct {
@@ -42,6 +43,7 @@ type eventState struct {
 	// recorded is when it was last recorded, in ns since Driver.epoch plus
 	// one; zero: never.
 	recorded atomic.Int64
+	tip      eventTip // where it was last recorded (pending.go)
 }
 
 // streamContext resolves a stream to its context. It takes no lock: it runs
@@ -106,8 +108,19 @@ func (d *Driver) StreamSynchronize(stream api.Stream) api.Result {
 	if r := d.ready(); r != api.Success {
 		return r
 	}
-	_, r := d.streamContext(stream)
-	return r
+	c, r := d.streamContext(stream)
+	if r != api.Success {
+		return r
+	}
+	if st := d.createdStream(stream); st != nil {
+		st.work.finish(st.work.ops.Load())
+	} else if stream != streamPerThread {
+		if d.rlock() == api.Success {
+			d.syncedBlocking(c) // the legacy default stream waits for them
+			d.mu.RUnlock()
+		}
+	}
+	return api.Success
 }
 
 // StreamWaitEvent implements api.API. The event may belong to another
@@ -209,6 +222,7 @@ func (d *Driver) EventRecord(event api.Event, stream api.Stream) api.Result {
 	if c != e.ctx {
 		return api.ErrorInvalidHandle
 	}
+	d.recorded(e, stream)
 	e.recorded.Store(int64(time.Since(d.epoch)) + 1)
 	return api.Success
 }
@@ -223,9 +237,11 @@ func (d *Driver) EventQuery(event api.Event) api.Result {
 	if r := d.ready(); r != api.Success {
 		return r
 	}
-	if d.events.get(uintptr(event)) == nil {
+	e := d.events.get(uintptr(event))
+	if e == nil {
 		return api.ErrorInvalidHandle
 	}
+	d.eventDone(e)
 	return api.Success
 }
 

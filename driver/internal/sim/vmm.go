@@ -127,8 +127,9 @@ type vmmHold struct {
 
 // vmmMap is what a memObj that is a cuMemMap mapping adds.
 type vmmMap struct {
-	gid    uint64
-	access map[int]int32 // host-global device -> CUmemAccess_flags
+	gid     uint64
+	access  map[int]int32 // host-global device -> CUmemAccess_flags
+	foreign bool          // another process created the allocation
 }
 
 func (v *vmmState) init() {
@@ -590,7 +591,7 @@ func (d *Driver) MemMap(ptr api.DevicePtr, size, offset uint64, handle api.MemHa
 	o := &memObj{
 		base: uint64(ptr), size: size, span: size, hdev: int(v.hdr.dev), data: data, slot: int(v.hdr.slot),
 		gid: v.hdr.gid, bufID: d.lastBufID,
-		vmm: &vmmMap{gid: v.hdr.gid, access: make(map[int]int32)},
+		vmm: &vmmMap{gid: v.hdr.gid, access: make(map[int]int32), foreign: v.hdr.creator != d.self},
 	}
 	d.space.insert(o)
 	d.hold(v.hdr, false)
@@ -616,6 +617,7 @@ func (d *Driver) MemUnmap(ptr api.DevicePtr, size uint64) api.Result {
 		return api.ErrorInvalidValue
 	}
 	for _, o := range ms {
+		d.closing(o, "cuMemUnmap")
 		d.unmapVMM(o)
 	}
 	return api.Success
@@ -623,6 +625,7 @@ func (d *Driver) MemUnmap(ptr api.DevicePtr, size uint64) api.Result {
 
 // unmapVMM removes mapping o. mu held.
 func (d *Driver) unmapVMM(o *memObj) {
+	d.forget(o)
 	d.space.remove(o, kindAccessAfterUnmap)
 	_ = unix.Munmap(o.data)
 	o.data = nil
