@@ -302,6 +302,7 @@ func (e *Exporter) consumerEvent(c *consumer, h transport.Handle) (*consEvent, e
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	e.stats.ReleaseEventsOpened++
 	ce = &consEvent{ev: ev}
 	c.events[h] = ce
 	e.cevents[ce] = struct{}{}

@@ -63,6 +63,9 @@ type ExporterStats struct {
 	// OrderedReleases counts releases that were stream-ordered: the
 	// buffer's next write waits for the consumer's GPU work.
 	OrderedReleases uint64
+	// ReleaseEventsOpened counts consumers' release events opened from
+	// their handles: each once per consumer, however many releases carry it.
+	ReleaseEventsOpened uint64
 	BytesOffered    uint64 // bytes lent by those offers
 	Leases          int    // leases outstanding now
 	Retired         uint64 // allocations retired (and freed, if the exporter allocated them)

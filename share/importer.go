@@ -67,6 +67,9 @@ type ImporterStats struct {
 	Held     int    // handed out and not released now
 	Mappings int    // allocations this importer holds open now
 	Retired  uint64 // allocations the producer retired that this importer closed
+	// EventsOpened counts the producer's events opened from their handles:
+	// each once, however many offers carry it.
+	EventsOpened uint64
 }
 
 // importer states.
@@ -489,6 +492,7 @@ func (im *Importer) leaseLocked(o *transport.Offer) (*Lease, error) {
 				return nil, fmt.Errorf("share: open the producer's event: %w", err)
 			}
 			im.events[o.Event] = ev
+			im.stats.EventsOpened++
 		}
 	}
 	l := im.newLeaseLocked()

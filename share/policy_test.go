@@ -495,6 +495,15 @@ func TestStreamOrderedRelease(t *testing.T) {
 			if s := prep.Stats; s.Offers != 300 || s.OrderedReleases != 300 || s.Releases != 300 || s.Allocations != 0 {
 				t.Errorf("producer stats %+v, want 300 offers, each released stream-ordered", s)
 			}
+			// Each side opens the other's events once: the consumer's one
+			// stream records one release event; the producer records one
+			// event per buffer of its ring of 4.
+			if n := prep.Stats.ReleaseEventsOpened; n != 1 {
+				t.Errorf("the producer opened %d release events, want 1 (the consumer's one stream's)", n)
+			}
+			if n := rep.Stats.EventsOpened; n < 1 || n > 4 {
+				t.Errorf("the consumer opened %d of the producer's events, want 1 to 4 (one per buffer of the ring)", n)
+			}
 		})
 	}
 }
