@@ -66,10 +66,10 @@ type ExporterStats struct {
 	// ReleaseEventsOpened counts consumers' release events opened from
 	// their handles: each once per consumer, however many releases carry it.
 	ReleaseEventsOpened uint64
-	BytesOffered    uint64 // bytes lent by those offers
-	Leases          int    // leases outstanding now
-	Retired         uint64 // allocations retired (and freed, if the exporter allocated them)
-	Allocations     int    // allocations known now: registered, rings and arenas
+	BytesOffered        uint64 // bytes lent by those offers
+	Leases              int    // leases outstanding now
+	Retired             uint64 // allocations retired (and freed, if the exporter allocated them)
+	Allocations         int    // allocations known now: registered, rings and arenas
 	// ConsumersDropped counts consumers the producer dropped: a protocol
 	// violation (seen by share or by the transport), a lease held past
 	// LeaseTimeout, half a frame held past the frame timeout, or messages
