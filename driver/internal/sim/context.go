@@ -249,6 +249,7 @@ func (d *Driver) CtxDestroy(ctx api.Context) api.Result {
 	if c == nil || c.primary {
 		return api.ErrorInvalidContext
 	}
+	d.hostWaited() // it waits for the context's work (pending.go)
 	d.destroyContext(c, false)
 	if tid := gettid(); d.threads.get(tid) == c {
 		d.popCurrent(tid)
@@ -324,14 +325,10 @@ func (d *Driver) CtxSynchronize() api.Result {
 	if r := d.ready(); r != api.Success {
 		return r
 	}
-	c, r := d.current()
-	if r != api.Success {
+	if _, r := d.current(); r != api.Success {
 		return r
 	}
-	if d.rlock() == api.Success {
-		d.syncedAll(c)
-		d.mu.RUnlock()
-	}
+	d.hostWaited()
 	return api.Success
 }
 

@@ -153,8 +153,8 @@
 // lock, do no file I/O and allocate nothing (one gettid system call where
 // the current context is needed). Work is synchronous: a copy has completed
 // when its call returns, so a recorded event is complete. But the sim
-// remembers which asynchronous work no host wait has covered yet, for one
-// check below (pending.go).
+// remembers which asynchronous work no host wait of any kind has followed
+// yet, for one check below (pending.go).
 //
 // # Strictness
 //
@@ -177,11 +177,12 @@
 //     cuMemExportToShareableHandle of one, "use-after-release" (all
 //     undefined on the real driver).
 //   - cuIpcCloseMemHandle, or cuMemUnmap of another process's allocation,
-//     while a copy or set queued on a created stream used the mapping and
-//     no host wait has covered it (a stream, context or event
-//     synchronization, or a synchronous copy for a blocking stream):
+//     after an asynchronous copy or set used the mapping and before the
+//     process made any call that waits on the host (a stream, context or
+//     event synchronization or query, a synchronous copy or set, a free):
 //     violation "close-with-pending-work"; the close goes ahead. On a GPU
-//     the work may still be reading the mapping.
+//     the work may still be reading the mapping. The rule is generous on
+//     purpose (pending.go): it can miss, not accuse wrongly.
 //
 // # Where the codes come from
 //

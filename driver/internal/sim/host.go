@@ -71,6 +71,7 @@ func (d *Driver) MemFreeHost(p unsafe.Pointer) api.Result {
 	if r := d.ready(); r != api.Success {
 		return r
 	}
+	d.hostWaited() // cuMemFreeHost may wait for the device (pending.go)
 	d.host.mu.Lock()
 	b, ok := d.host.blocks[uintptr(p)]
 	delete(d.host.blocks, uintptr(p))

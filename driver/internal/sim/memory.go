@@ -196,15 +196,13 @@ func (d *Driver) resolveObj(p api.DevicePtr, n uint64, call string) (*memObj, []
 	return o, o.data[off : off+n], api.Success
 }
 
-// copied notes a copy or set that used a and b (either may be nil): on
-// stream if async, else a synchronous call on the legacy default stream,
-// which waited for the work queued before it on the blocking streams of
-// the current context (pending.go). mu held, for reading at least.
-func (d *Driver) copied(stream api.Stream, async bool, a, b *memObj) {
+// copied notes a copy or set that used a and b (either may be nil):
+// queued if async, else a call that waited on the host (pending.go).
+func (d *Driver) copied(async bool, a, b *memObj) {
 	if async {
-		d.queued(stream, a, b)
-	} else if c, r := d.current(); r == api.Success {
-		d.syncedBlocking(c)
+		d.queued(a, b)
+	} else {
+		d.hostWaited()
 	}
 }
 
@@ -269,6 +267,7 @@ func (d *Driver) MemFree(dptr api.DevicePtr) api.Result {
 		return r
 	}
 	defer d.mu.Unlock()
+	d.hostWaited() // cuMemFree may wait for the device (pending.go)
 	o := d.space.find(uint64(dptr))
 	if o == nil || o.base != uint64(dptr) || o.imported || o.vmm != nil {
 		return api.ErrorInvalidValue
@@ -434,7 +433,7 @@ func (d *Driver) memset(dst api.DevicePtr, value uint8, n uint64, stream api.Str
 	for i := range b {
 		b[i] = value
 	}
-	d.copied(stream, async, o, nil)
+	d.copied(async, o, nil)
 	return api.Success
 }
 
@@ -482,7 +481,7 @@ func (d *Driver) memcpyHost(dev api.DevicePtr, host unsafe.Pointer, n uint64, st
 	} else {
 		copy(unsafe.Slice((*byte)(host), n), b)
 	}
-	d.copied(stream, async, o, nil)
+	d.copied(async, o, nil)
 	return api.Success
 }
 
@@ -499,7 +498,7 @@ func (d *Driver) memcpyDtoD(dst, src api.DevicePtr, n uint64, stream api.Stream,
 		return r
 	}
 	copy(t, s)
-	d.copied(stream, async, to, so)
+	d.copied(async, to, so)
 	return api.Success
 }
 

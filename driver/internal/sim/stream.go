@@ -29,7 +29,6 @@ type streamState struct {
 	h     api.Stream
 	ctx   *ctxState
 	flags uint32
-	work  streamWork // pending.go
 }
 
 type eventState struct {
@@ -43,7 +42,6 @@ type eventState struct {
 	// recorded is when it was last recorded, in ns since Driver.epoch plus
 	// one; zero: never.
 	recorded atomic.Int64
-	tip      eventTip // where it was last recorded (pending.go)
 }
 
 // streamContext resolves a stream to its context. It takes no lock: it runs
@@ -108,18 +106,10 @@ func (d *Driver) StreamSynchronize(stream api.Stream) api.Result {
 	if r := d.ready(); r != api.Success {
 		return r
 	}
-	c, r := d.streamContext(stream)
-	if r != api.Success {
+	if _, r := d.streamContext(stream); r != api.Success {
 		return r
 	}
-	if st := d.createdStream(stream); st != nil {
-		st.work.finish(st.work.ops.Load())
-	} else if stream != streamPerThread {
-		if d.rlock() == api.Success {
-			d.syncedBlocking(c) // the legacy default stream waits for them
-			d.mu.RUnlock()
-		}
-	}
+	d.hostWaited()
 	return api.Success
 }
 
@@ -222,7 +212,6 @@ func (d *Driver) EventRecord(event api.Event, stream api.Stream) api.Result {
 	if c != e.ctx {
 		return api.ErrorInvalidHandle
 	}
-	d.recorded(e, stream)
 	e.recorded.Store(int64(time.Since(d.epoch)) + 1)
 	return api.Success
 }
@@ -237,11 +226,10 @@ func (d *Driver) EventQuery(event api.Event) api.Result {
 	if r := d.ready(); r != api.Success {
 		return r
 	}
-	e := d.events.get(uintptr(event))
-	if e == nil {
+	if d.events.get(uintptr(event)) == nil {
 		return api.ErrorInvalidHandle
 	}
-	d.eventDone(e)
+	d.hostWaited()
 	return api.Success
 }
 
