@@ -19,8 +19,10 @@ import (
 // that used a foreign mapping counts as done once the process makes any
 // call that waits on the host after it, for any stream or event:
 // cuStreamSynchronize, cuCtxSynchronize, cuEventSynchronize, cuEventQuery
-// (which succeeds at once in the sim), a synchronous copy or set, a free,
-// cuCtxDestroy. Only a mapping closed with work queued on it after the
+// (which succeeds at once in the sim), a synchronous copy or set (a
+// device-to-device copy or a set need not wait, which only makes the rule
+// more generous), a free, cuCtxDestroy. Only a mapping closed with work
+// queued on it after the
 // last such call is a "close-with-pending-work" violation. (CUDA promises
 // less: a wait on one stream says nothing of another's work. Tracking
 // that exactly, through cuStreamWaitEvent chains, the legacy default
