@@ -178,6 +178,7 @@ func (d *Driver) DevicePrimaryCtxRelease(dev api.Device) api.Result {
 		return api.ErrorInvalidContext
 	}
 	if d.primaryRefs[dev]--; d.primaryRefs[dev] == 0 {
+		d.hostWaited() // destroying it waits for its work (pending.go)
 		d.destroyContext(d.primary[dev], false)
 	}
 	return api.Success

@@ -179,10 +179,12 @@
 //   - cuIpcCloseMemHandle, or cuMemUnmap of another process's allocation,
 //     after an asynchronous copy or set used the mapping and before the
 //     process made any call that waits on the host (a stream, context or
-//     event synchronization or query, a synchronous copy or set, a free):
-//     violation "close-with-pending-work"; the close goes ahead. On a GPU
-//     the work may still be reading the mapping. The rule is generous on
-//     purpose (pending.go): it can miss, not accuse wrongly.
+//     event synchronization or query, a synchronous copy or set, a free,
+//     destroying a context): violation "close-with-pending-work"; the
+//     close goes ahead. On a GPU the work may still be reading the
+//     mapping. The rule is generous on purpose (pending.go): it can miss,
+//     and accuses only one correct program, named there (a process told
+//     by another that its work is done, with no wait of its own).
 //
 // # Where the codes come from
 //

@@ -14,22 +14,24 @@ import (
 // allocation (PROTOCOL.md, section 4), and no other check of the sim would
 // notice if it did not.
 //
-// The rule the sim applies is deliberately generous, so that it can miss a
-// fault but never accuse a correct program: an asynchronous copy or set
-// that used a foreign mapping counts as done once the process makes any
-// call that waits on the host after it, for any stream or event:
-// cuStreamSynchronize, cuCtxSynchronize, cuEventSynchronize, cuEventQuery
-// (which succeeds at once in the sim), a synchronous copy or set (a
-// device-to-device copy or a set need not wait, which only makes the rule
-// more generous), a free, cuCtxDestroy. Only a mapping closed with work
-// queued on it after the
-// last such call is a "close-with-pending-work" violation. (CUDA promises
-// less: a wait on one stream says nothing of another's work. Tracking
-// that exactly, through cuStreamWaitEvent chains, the legacy default
-// stream's implicit waits and destroyed streams, was tried and accused
-// correct programs.) One correct program is still accused: a process that
-// learns that its own work is done only from another process (which waited
-// on its event) and then closes the mapping without a wait of its own.
+// The rule the sim applies is deliberately generous: it can miss a fault,
+// and it accuses only one kind of correct program (below). An asynchronous
+// copy or set that used a foreign mapping counts as done once the process
+// makes, after it, any call that waits on the host, for any stream or
+// event: cuStreamSynchronize, cuCtxSynchronize, cuEventSynchronize,
+// cuEventQuery (which succeeds at once in the sim), a synchronous copy or
+// set (a device-to-device copy or a set need not wait, which only makes
+// the rule more generous), a free (even one that fails), cuCtxDestroy, or
+// the cuDevicePrimaryCtxRelease that destroys a primary context. Only a
+// mapping closed (by its last cuIpcCloseMemHandle, or cuMemUnmap) with work
+// queued on it after the last such call is a "close-with-pending-work"
+// violation. CUDA promises less: a wait on one stream says nothing of
+// another's work. Tracking that exactly, through cuStreamWaitEvent chains,
+// the legacy default stream's implicit waits and destroyed streams, was
+// tried and accused correct programs. The one correct program still
+// accused is a process that learns its own work is done only from another
+// process (which waited on its event), and closes the mapping without a
+// wait of its own.
 const kindClosePending = "close-with-pending-work"
 
 // pendingWork numbers the asynchronous copies and sets of the process and
