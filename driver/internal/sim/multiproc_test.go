@@ -169,18 +169,26 @@ func TestProcessShare(t *testing.T) {
 	}
 }
 
-// TestProcessFreeWhileMapped: the parent's free is refused while a live
-// child maps the memory, which stays intact; the child's access after its
-// close is recorded under its pid.
-func TestProcessFreeWhileMapped(t *testing.T) {
+// startHolder allocates size bytes in a fresh state directory and starts a
+// "hold" child, which opens them from their IPC handle; it returns once the
+// child has.
+func startHolder(t *testing.T, size uint64) (*Driver, api.DevicePtr, *child) {
 	lockThread(t)
 	dir := t.TempDir()
 	d := newDriver(t, Config{Dir: dir})
 	primary(t, d, 0)
-	p := alloc(t, d, 4096)
+	p := alloc(t, d, size)
 	c := startHelper(t, "hold", dir, envHelperHandle+"="+handleHex(exportHandle(t, d, p)))
 	c.expect("info")
 	c.expect("opened")
+	return d, p, c
+}
+
+// TestProcessFreeWhileMapped: the parent's free is refused while a live
+// child maps the memory, which stays intact; the child's access after its
+// close is recorded under its pid.
+func TestProcessFreeWhileMapped(t *testing.T) {
+	d, p, c := startHolder(t, 4096)
 	check(t, "MemFree while the child maps", d.MemFree(p), api.ErrorIllegalState)
 	vs := violations(t, d)
 	if len(vs) != 1 || vs[0].Kind != kindFreeWhileMapped || vs[0].PID != os.Getpid() ||
@@ -229,14 +237,7 @@ func TestProcessClosePendingWork(t *testing.T) {
 		{"default-event", false},
 	} {
 		t.Run(tc.mode, func(t *testing.T) {
-			lockThread(t)
-			dir := t.TempDir()
-			d := newDriver(t, Config{Dir: dir})
-			primary(t, d, 0)
-			p := alloc(t, d, 4096)
-			c := startHelper(t, "hold", dir, envHelperHandle+"="+handleHex(exportHandle(t, d, p)))
-			c.expect("info")
-			c.expect("opened")
+			d, p, c := startHolder(t, 4096)
 			c.send("queue " + tc.mode)
 			c.expect("queued")
 			c.send("close")
