@@ -485,7 +485,7 @@ func (d *Driver) memcpyHost(dev api.DevicePtr, host unsafe.Pointer, n uint64, st
 	return api.Success
 }
 
-func (d *Driver) memcpyDtoD(dst, src api.DevicePtr, n uint64, stream api.Stream, async bool, call string) api.Result {
+func (d *Driver) memcpyDtoD(dst, src api.DevicePtr, n uint64, async bool, call string) api.Result {
 	if n == 0 {
 		return api.Success
 	}
@@ -508,7 +508,7 @@ func (d *Driver) MemcpyDtoD(dst, src api.DevicePtr, n uint64) api.Result {
 		return r
 	}
 	defer d.mu.RUnlock()
-	return d.memcpyDtoD(dst, src, n, 0, false, "cuMemcpyDtoD")
+	return d.memcpyDtoD(dst, src, n, false, "cuMemcpyDtoD")
 }
 
 // MemcpyDtoDAsync implements api.API. It completes before it returns.
@@ -517,7 +517,7 @@ func (d *Driver) MemcpyDtoDAsync(dst, src api.DevicePtr, n uint64, stream api.St
 		return r
 	}
 	defer d.mu.RUnlock()
-	return d.memcpyDtoD(dst, src, n, stream, true, "cuMemcpyDtoDAsync")
+	return d.memcpyDtoD(dst, src, n, true, "cuMemcpyDtoDAsync")
 }
 
 // MemcpyPeer implements api.API. It needs a current context (measured), and
@@ -532,5 +532,5 @@ func (d *Driver) MemcpyPeer(dst api.DevicePtr, dstCtx api.Context, src api.Devic
 	if d.liveContext(dstCtx) == nil || d.liveContext(srcCtx) == nil {
 		return api.ErrorInvalidContext
 	}
-	return d.memcpyDtoD(dst, src, n, 0, false, "cuMemcpyPeer")
+	return d.memcpyDtoD(dst, src, n, false, "cuMemcpyPeer")
 }
