@@ -14,7 +14,7 @@ import time
 
 from . import connect
 from . import errors
-from .errors import Closed, NotSupported, ProducerGone, ProtocolError
+from .errors import Closed, CudashareError, NotSupported, ProducerGone, ProtocolError
 
 # The Go consumer's exit statuses (internal/app/common.go), so that scripts
 # and the benchmark read both the same way.
@@ -84,6 +84,12 @@ def consume(args, out):
     except ProtocolError as e:
         # Refused at the handshake: another user, a version, a limit.
         rep.update(end="refused", error=str(e), exit=EXIT_REFUSED if e.remote else EXIT_FAILURE)
+        return rep
+    except (OSError, CudashareError) as e:
+        # Anything else on the way in (a path through a file, a directory
+        # this user may not enter, a producer silent at the handshake) is
+        # a failure with its reason, as the Go consumer reports it.
+        rep.update(end="error", error="cannot connect to the producer at %s: %s" % (args.socket, e), exit=EXIT_FAILURE)
         return rep
     rep["driver"], rep["driver_reason"] = c.backend, c.backend_reason
     rep["shm"] = c.stats()["ring"]

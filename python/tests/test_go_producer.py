@@ -5,6 +5,7 @@ producer killed, a consumer killed, SIGTERM, and the CLI's report."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -298,3 +299,27 @@ def test_vmm_data_path(go_producer, gobin):
                 want = l.meta["batch"] % 251 + 1
                 assert bytes(l.host()) == bytes([want]) * l.size
     assert p.wait()[1] == 0
+
+
+def test_cli_connect_failures_are_reported(tmp_path):
+    """Every way connecting fails is a report line with the reason, not a
+    traceback: a socket path through a file (ENOTDIR; a directory this user
+    may not enter takes the same path), and a listener that never answers
+    the hello (the handshake's timeout, 5 s)."""
+    from cudashare import __main__ as m
+    f = tmp_path / "file"
+    f.write_text("")
+    path = str(tmp_path / "silent.sock")
+    ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    ls.bind(path)
+    ls.listen(1)  # connects land in the backlog; nobody ever answers
+    try:
+        for sock, want in ((str(f / "cudashare.sock"), "Not a directory"), (path, "no hello-ack")):
+            r = subprocess.run([sys.executable, "-m", "cudashare", "consume", "--socket", sock],
+                               cwd=PY, capture_output=True, text=True, timeout=60)
+            rep = json.loads(r.stdout.strip().splitlines()[-1])
+            assert r.returncode == m.EXIT_FAILURE and rep["exit"] == m.EXIT_FAILURE, (r.returncode, r.stderr[-2000:])
+            assert "cannot connect" in rep["error"] and want in rep["error"], rep
+            assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    finally:
+        ls.close()
