@@ -4,9 +4,14 @@ bench/gpu-bench.sh and bench/python-gpu-check.sh.
 
 Against the Go example producer (ring or fresh, with -fill: every byte of
 batch n is n % 251 + 1, PROTOCOL.md 4.2), for each lease: a tensor of the
-lease with no copy (DLPack, the consumer's stream made to wait on the
-producer's event), a small torch op on that stream, and a stream-ordered
-release (lease.release(stream=...)): no host sync per batch.
+lease with no copy (the consumer's stream made to wait on the producer's
+event), a small torch op on that stream, and a stream-ordered release
+(lease.release(stream=...)): no host sync per batch.
+
+  --view array  (default) lease.array(torch.from_dlpack, stream): the tensor
+                of each ring buffer is made once and reused.
+  --view dlpack  torch.from_dlpack(lease.__dlpack__(stream)): a DLPack
+                capsule and a new tensor per lease.
 
   --work sum    (default) sums the first --bytes bytes of the batch into a
                 device accumulator; at the end the accumulator is compared
@@ -83,12 +88,14 @@ def main():
     ap.add_argument("--bytes", type=int, default=16, help="--work sum: bytes of each batch summed")
     ap.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the producer's socket")
     ap.add_argument("--batches", type=int, default=0, help="stop after this many (0: until the producer ends)")
+    ap.add_argument("--view", choices=["array", "dlpack"], default="array",
+                    help="how each lease becomes a tensor (see above)")
     ap.add_argument("--shm", choices=["true", "false"], default=None,
                     help="the messages through the shared-memory rings (PROTOCOL.md 2.3) if the producer allows "
                          "them (default: only with CUDASHARE_RING=1)")
     a = ap.parse_args()
     rep = {"role": "consumer", "impl": "cudashare-python+torch", "device": a.device, "credits": a.credits,
-           "workers": 1, "verify": "torch-" + a.work, "handoffs": 0, "seconds": 0.0, "handoffs_per_s": 0.0,
+           "workers": 1, "verify": "torch-" + a.work, "view": a.view, "handoffs": 0, "seconds": 0.0, "handoffs_per_s": 0.0,
            "verified": 0, "verify_errors": 0, "errors": 0, "mappings": 0, "exit": 0}
     try:
         import torch
@@ -117,6 +124,9 @@ def main():
     u8 = torch.uint8
     work_sum = a.work == "sum"
     want_sum = 0
+    use_array = a.view == "array"
+    not_in_place = 0
+    tensors = set()  # --view array: the distinct tensors it handed out (one per ring buffer)
     lat = []
     n = 0
     t0 = t1 = None
@@ -144,11 +154,16 @@ def main():
                 if batch is None:
                     lease.release()
                     continue
-                # The capsule, not the lease: torch asks nothing more of us.
+                # DLPack, the stream named: sp waits on the producer's event.
                 # (Not torch.as_tensor via __cuda_array_interface__: that
                 # orders only the legacy default stream, and stream is a
                 # non-blocking one.)
-                x = from_dlpack(lease.__dlpack__(stream=sp))  # no copy; sp waits on the producer's event
+                if use_array:
+                    x = lease.array(from_dlpack, sp)  # made once per buffer; sp waits on the producer's event
+                    if len(tensors) < 1024:
+                        tensors.add(id(x))
+                else:
+                    x = from_dlpack(lease.__dlpack__(stream=sp))  # no copy; sp waits on the producer's event
                 if x.dtype != u8 or x.dim() != 1:
                     if x.dtype != u8:
                         x = x.view(u8) if x.is_contiguous() else x
@@ -164,6 +179,8 @@ def main():
                     want_sum += k * want
                 else:
                     acc.add_((x != want).sum())
+                    if x.data_ptr() != lease.ptr:  # the tensor is this lease's memory, not a copy, nor another buffer
+                        not_in_place += 1
                 del x
                 lease.release(stream=sp)  # after the op queued on stream: no host wait
                 n += 1
@@ -186,12 +203,14 @@ def main():
     rep["handoffs"] = n
     rep["mappings"] = st.get("mappings", 0)
     rep["ordered_releases"] = st.get("ordered_releases")
+    if use_array:
+        rep["tensors"] = len(tensors)
     if a.work == "sum":
         ok = got == want_sum
         rep["check"] = "sum of the first %d bytes of every batch: %d, want %d" % (K, got, want_sum)
     else:
-        ok = got == 0
-        rep["check"] = "every byte of every batch: %d wrong" % got
+        ok = got == 0 and not_in_place == 0
+        rep["check"] = "every byte of every batch: %d wrong; tensors not at the lease's address: %d" % (got, not_in_place)
     return finish(rep, n, ok, t0, t1, lat)
 
 

@@ -9,9 +9,12 @@
 # Cases, each for -sharing ipc and -sharing vmm, same GPU, then with two GPUs
 # the consumer on GPU 1 (skipped with a note on one GPU):
 #   torch-ring       bench/py_consumer.py --work full: ring of 8 x 1 MiB, each
-#                    lease a torch tensor (DLPack, no copy), every byte
-#                    compared with the batch's pattern on the GPU,
-#                    stream-ordered release.
+#                    lease a torch tensor (lease.array(torch.from_dlpack):
+#                    made once per buffer, no copy), every byte compared
+#                    with the batch's pattern on the GPU, stream-ordered
+#                    release.
+#   torch-ring-dlpack  the same with --view dlpack: a DLPack capsule and a
+#                    new tensor per lease.
 #   torch-fresh      the same with fresh 64 MiB buffers from an arena.
 #   cli-ring         python -m cudashare consume --verify full: every byte of
 #                    every batch copied back to the host and checked (no torch).
@@ -223,6 +226,8 @@ for pair in "${pairs[@]}"; do
 	for sh in ipc vmm; do
 		run_case torch-ring "$sh" "$d" "$c" "$count" -- "${PYCS[@]}" "$PY" bench/py_consumer.py --socket "$sock" \
 			--device "$c" --wait 60 --work full -- -ring 8 -size 1MiB
+		run_case torch-ring-dlpack "$sh" "$d" "$c" "$count" -- "${PYCS[@]}" "$PY" bench/py_consumer.py --socket "$sock" \
+			--device "$c" --wait 60 --work full --view dlpack -- -ring 8 -size 1MiB
 		run_case torch-fresh "$sh" "$d" "$c" "$count" -- "${PYCS[@]}" "$PY" bench/py_consumer.py --socket "$sock" \
 			--device "$c" --wait 60 --work full -- -fresh -ring 8 -size 64MiB
 		if [ "$driver" = sim ] && [ "$sh" = ipc ]; then

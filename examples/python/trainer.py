@@ -51,7 +51,7 @@ def main():
         t0 = time.perf_counter()
         with torch.cuda.stream(stream):
             for lease in c:
-                x = torch.from_dlpack(lease.__dlpack__(stream=stream.cuda_stream))  # no copy
+                x = lease.array(torch.from_dlpack, stream)  # no copy; made once per ring buffer
                 want = lease.meta["batch"] % 251 + 1
                 bad += (x != want).sum()              # the check, on the GPU
                 lease.release(stream=stream)          # after the work queued so far

@@ -2,8 +2,11 @@
 
 import warnings
 
-from . import dlpack, meta, wire
+from . import backends, dlpack, meta, wire
 from .errors import Closed, NotSupported
+
+MAX_VIEWS = 64     # framework views that array() keeps per allocation (ranges x dtypes x shapes x converters)
+_CACHED = object()  # what a cached view's DLPack slot keeps alive: nothing of the lease's
 
 
 class Lease(wire.Offer):
@@ -160,6 +163,65 @@ class Lease(wire.Offer):
         dt, did = b.dl_device
         return dlpack.capsule(p + self.offset, shape, meta.DTYPES[dtype][2], dt, did, self)
 
+    def array(self, convert, stream=None):
+        """The lease as convert makes it (torch.from_dlpack, cupy.from_dlpack,
+        jax.dlpack.from_dlpack; numpy.from_dlpack on the sim backend), with
+        no copy: made once per allocation, range, dtype, shape and convert,
+        and the same object returned for every later lease of that range.
+        A ring's buffer becomes a tensor once, not once per batch: no DLPack
+        capsule and no framework call per lease.
+
+        stream (a CUstream int, or an object with .cuda_stream/.ptr/.handle;
+        None: the legacy default stream) is made to wait on the producer's
+        event first, once per lease and stream, as __dlpack__(stream) does.
+        Run the work on that stream.
+
+        The object is a view of memory lent to this lease only: use it
+        between array() and release(), as every view. The consumer drops it
+        when the allocation is retired or the consumer closes; at most
+        MAX_VIEWS are kept per allocation (beyond that each call makes a new
+        one, as __dlpack__ does)."""
+        if self.released:
+            self._check()
+        a = self._a
+        views = a.views
+        m = self.meta
+        if type(m) is dict and "dtype" not in m and "shape" not in m:
+            key = (convert, self.offset, self.size)
+        else:
+            key = (convert, self.offset, self.size) + meta.view_of(m, self.size)
+        v = None if views is None else views.get(key)
+        if v is None:
+            v = self._new_view(convert, key, views)
+        e = self._event
+        if e is not None and not self._c._backend.on_host:
+            s = 0 if stream is None else (stream if type(stream) is int else backends.stream_handle(stream))
+            if s == 1:
+                s = 0
+            if self._waited != s:
+                self._wait(s)
+        return v
+
+    def _new_view(self, convert, key, views):
+        if len(key) == 3:
+            dtype, shape = "uint8", (self.size,)
+        else:
+            dtype, shape = key[3], key[4]
+        p = self._mapping.ptr
+        if p is None:
+            p = self.ptr  # raises NotSupported
+        dt, did = self._c._backend.dl_device
+        # A cached view keeps nothing of this lease alive (the consumer
+        # drops it with the mapping); one not cached keeps the lease, as
+        # __dlpack__'s do, so that the garbage collector does not release
+        # a lease whose view is still in use.
+        cache = views is not None and len(views) < MAX_VIEWS
+        cap = dlpack.capsule(p + self.offset, shape, meta.DTYPES[dtype][2], dt, did, _CACHED if cache else self)
+        v = convert(_Capsule(cap, (dt, did)))
+        if cache:
+            views[key] = v
+        return v
+
     # --- giving it back ---
 
     def release(self, stream=None):
@@ -196,3 +258,25 @@ class Lease(wire.Offer):
         return "<cudashare.Lease seq=%s alloc=%s size=%s%s>" % (
             getattr(self, "seq", "?"), getattr(self, "alloc_id", "?"), getattr(self, "size", "?"),
             " released" if getattr(self, "released", True) else "")
+
+
+class _Capsule:
+    """One capsule, handed to a framework's from_dlpack by the DLPack
+    protocol (torch, CuPy and JAX take an object with __dlpack__, not all
+    a bare capsule). The stream a framework names is not waited on here:
+    Lease.array orders the stream its caller names."""
+
+    __slots__ = ("_cap", "_dev")
+
+    def __init__(self, cap, dev):
+        self._cap = cap
+        self._dev = dev
+
+    def __dlpack__(self, stream=None, **_kw):
+        cap, self._cap = self._cap, None
+        if cap is None:
+            raise BufferError("cudashare: this capsule was taken already")
+        return cap
+
+    def __dlpack_device__(self):
+        return self._dev

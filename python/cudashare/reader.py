@@ -26,7 +26,7 @@ BG_POLL = 0.05             # its poll while it reads and nothing is pending
 
 
 class _Alloc:
-    __slots__ = ("id", "mapping", "leases", "retired", "rel_events", "closed")
+    __slots__ = ("id", "mapping", "leases", "retired", "rel_events", "closed", "views")
 
     def __init__(self, alloc_id, mapping):
         self.id = alloc_id
@@ -35,6 +35,7 @@ class _Alloc:
         self.retired = False
         self.rel_events = set()
         self.closed = False
+        self.views = {}  # Lease.array's: (convert, offset, size[, dtype, shape]) -> the framework's view
 
 
 class Reader:
@@ -311,6 +312,7 @@ class Reader:
         # before it, and their events are recorded already.
         self._push_locked()
         a.closed = True
+        a.views = None  # the framework's views of the mapping go before it
         for ev in a.rel_events:
             self._backend.sync_event(ev)
         a.rel_events.clear()
