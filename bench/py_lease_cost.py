@@ -16,7 +16,10 @@ lease is timed with time.perf_counter and the means are printed per lease:
 
 --mode picks the steps: "release" (next and a stream-ordered release
 only), "dlpack" (and the tensor, no op), "op" (everything: the
-benchmark's per-batch torch work), "host" (next and a host release).
+benchmark's per-batch torch work, the old way), "array" (the same with
+lease.array(torch.from_dlpack, stream), the benchmark's way now: its time
+is in the __dlpack__ column; from_dlpack and del are then zero), "host"
+(next and a host release).
 The means are CPU time of this thread while it is the bound (the
 producer outruns one Python consumer); when next() grows, the
 producer or the GPU is the bound instead.
@@ -40,7 +43,7 @@ sys.path.insert(0, os.environ.get("PYPKG") or os.path.join(here, "..", "python")
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
-    ap.add_argument("--mode", choices=["release", "dlpack", "op", "host"], default="op")
+    ap.add_argument("--mode", choices=["release", "dlpack", "op", "array", "host"], default="op")
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--wait", type=float, default=20.0)
     a = ap.parse_args()
@@ -76,7 +79,13 @@ def main():
             s1 = pc()
             if t0 is None:
                 t0 = s1
-            if tensor:
+            if a.mode == "array":
+                x = lease.array(torch.from_dlpack, sp)
+                s2 = s3 = pc()
+                acc.add_(x.narrow(0, 0, 16))
+                s4 = pc()
+                del x
+            elif tensor:
                 cap = lease.__dlpack__(stream=sp)
                 s2 = pc()
                 x = torch.from_dlpack(cap)
