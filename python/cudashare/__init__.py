@@ -3,16 +3,19 @@
     import cudashare, torch
     s = torch.cuda.Stream()
     with cudashare.connect("/tmp/cudashare-1000/cudashare.sock") as c, torch.cuda.stream(s):
-        for lease in c:                      # until the producer says goodbye
-            t = torch.from_dlpack(lease)     # no copy; s waits for the producer's writes
-            ...                              # torch work on s
-            lease.release(stream=s)          # after that work, with no host wait
+        for lease in c:                            # until the producer says goodbye
+            t = lease.array(torch.from_dlpack, s)  # no copy; s waits for the producer's writes
+            ...                                    # torch work on s
+            lease.release(stream=s)                # after that work, with no host wait
 
-DLPack orders the consumer's stream (the framework passes it to
-__dlpack__). ``torch.as_tensor(lease, device="cuda")`` (the CUDA array
-interface) works too, but torch ignores the interface's stream: reading the
-interface makes the legacy default stream wait for the producer, so work
-on any other stream is not ordered after the producer's writes.
+lease.array(convert, stream) makes each buffer's tensor once and returns
+it to every later lease of that buffer; torch.from_dlpack(lease) makes a
+new one each time. DLPack orders the consumer's stream (the framework
+passes it to __dlpack__; array() takes it as its argument).
+``torch.as_tensor(lease, device="cuda")`` (the CUDA array interface) works
+too, but torch ignores the interface's stream: reading the interface makes
+the legacy default stream wait for the producer, so work on any other
+stream is not ordered after the producer's writes.
 ``lease.release()`` without a stream means every use has completed (after a
 host synchronize); ``with lease:`` releases that way on exit.
 

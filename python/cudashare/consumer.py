@@ -177,6 +177,7 @@ class Consumer(Reader, Releases):
         self._n_offers = self._n_handoffs = self._n_releases = self._n_bytes = 0
         self._n_msgs = 0
         self._n_ordered = 0
+        self._n_views = 0        # Lease.array's cached views, over every allocation
         # The shared-memory rings (ring.py), once the handshake agreed on
         # them: frames go through _out, and the socket only carries
         # doorbells (_bell_left: bytes of one not yet written), errors and
@@ -674,6 +675,14 @@ class Consumer(Reader, Releases):
         self._sock.close()
         self._rd.close_fds()
         with self._lock:
+            # Whatever the end (a clean close released them above; a
+            # producer that vanished or broke the protocol did not), no
+            # lease outlives its mapping: released, ptr and views refuse.
+            for ref in self._outstanding.values():
+                l = ref()
+                if l is not None:
+                    l.released = True
+            self._outstanding.clear()
             b = self._backend
             if b is not None:
                 for alloc_id, a in list(self._allocs.items()):

@@ -5,8 +5,8 @@ import warnings
 from . import backends, dlpack, meta, wire
 from .errors import Closed, NotSupported
 
-MAX_VIEWS = 64     # framework views that array() keeps per allocation (ranges x dtypes x shapes x converters)
-_CACHED = object()  # what a cached view's DLPack slot keeps alive: nothing of the lease's
+MAX_VIEWS = 64          # framework views that array() keeps per allocation (ranges x dtypes x shapes x converters)
+MAX_VIEWS_TOTAL = 1024  # and per consumer, over all its allocations
 
 
 class Lease(wire.Offer):
@@ -26,7 +26,7 @@ class Lease(wire.Offer):
     the consumer parses the offer straight into the lease.
     """
 
-    __slots__ = ("_c", "_a", "_mapping", "_event", "_waited", "released", "__weakref__")
+    __slots__ = ("_c", "_a", "_mapping", "_event", "_waited", "_pins", "released", "__weakref__")
 
     def _bind(self, consumer, alloc, event):
         self._c = consumer
@@ -34,6 +34,7 @@ class Lease(wire.Offer):
         self._mapping = alloc.mapping
         self._event = event      # the producer's opened event, or None
         self._waited = None      # the stream last made to wait on it (most use one)
+        self._pins = None        # array()'s cached views that keep it alive until its release
         self.released = False
 
     # --- where the data is ---
@@ -163,46 +164,73 @@ class Lease(wire.Offer):
         dt, did = b.dl_device
         return dlpack.capsule(p + self.offset, shape, meta.DTYPES[dtype][2], dt, did, self)
 
-    def array(self, convert, stream=None):
-        """The lease as convert makes it (torch.from_dlpack, cupy.from_dlpack,
-        jax.dlpack.from_dlpack; numpy.from_dlpack on the sim backend), with
-        no copy: made once per allocation, range, dtype, shape and convert,
-        and the same object returned for every later lease of that range.
-        A ring's buffer becomes a tensor once, not once per batch: no DLPack
+    def array(self, convert, stream):
+        """The lease as convert makes it (torch.from_dlpack or
+        cupy.from_dlpack; numpy.from_dlpack on the sim backend), with no
+        copy: made once per allocation, range, dtype, shape and convert, and
+        the same object returned to every later lease of that range. A
+        ring's buffer becomes a tensor once, not once per batch: no DLPack
         capsule and no framework call per lease.
 
         stream (a CUstream int, or an object with .cuda_stream/.ptr/.handle;
-        None: the legacy default stream) is made to wait on the producer's
-        event first, once per lease and stream, as __dlpack__(stream) does.
-        Run the work on that stream.
+        None or 1: the legacy default stream; -1: none) is made to wait on
+        the producer's event, once per lease and stream, as
+        __dlpack__(stream) does. It is not optional: a framework's current
+        stream is often another one (torch.cuda.Stream() is non-blocking).
+        Run the work on it, and release on it.
 
         The object is a view of memory lent to this lease only: use it
-        between array() and release(), as every view. The consumer drops it
-        when the allocation is retired or the consumer closes; at most
-        MAX_VIEWS are kept per allocation (beyond that each call makes a new
-        one, as __dlpack__ does)."""
+        between array() and release(), as every view; until the release it
+        keeps the lease alive, as a tensor of __dlpack__ does. The next
+        lease of the range gets the same object: change it only through new
+        views (x.view(...), x[...]), not in place (shape, dtype,
+        requires_grad). An object that is not at the lease's address (a
+        converter that copies, or one whose address this package cannot
+        read) is never reused: each call then makes a new one. The consumer
+        drops its views when the allocation is retired or the consumer
+        closes; it keeps at most MAX_VIEWS per allocation and
+        MAX_VIEWS_TOTAL in all (beyond that each call makes a new one)."""
         if self.released:
             self._check()
-        a = self._a
-        views = a.views
         m = self.meta
         if type(m) is dict and "dtype" not in m and "shape" not in m:
             key = (convert, self.offset, self.size)
         else:
             key = (convert, self.offset, self.size) + meta.view_of(m, self.size)
-        v = None if views is None else views.get(key)
-        if v is None:
-            v = self._new_view(convert, key, views)
-        e = self._event
-        if e is not None and not self._c._backend.on_host:
-            s = 0 if stream is None else (stream if type(stream) is int else backends.stream_handle(stream))
-            if s == 1:
-                s = 0
-            if self._waited != s:
-                self._wait(s)
-        return v
+        views = self._a.views
+        ent = None if views is None else views.get(key)
+        if ent is None:
+            return self._new_view(convert, key, stream)
+        if ent[1].lease is not self:
+            self._pin(ent[1])
+        if self._event is not None:
+            self._order(stream)
+        return ent[0]
 
-    def _new_view(self, convert, key, views):
+    def _order(self, stream):
+        """Makes stream (as array() takes it) wait on the producer's event,
+        once per stream."""
+        if self._event is None or self._c._backend.on_host:
+            return
+        s = 0 if stream is None else (stream if type(stream) is int else backends.stream_handle(stream))
+        if s == 1:
+            s = 0
+        if s != -1 and self._waited != s:
+            self._wait(s)
+
+    def _pin(self, pin):
+        """Makes pin (a cached view's) keep this lease alive until its
+        release (Releases._release unpins)."""
+        pin.lease = self
+        ps = self._pins
+        if ps is None:
+            self._pins = pin
+        elif type(ps) is list:
+            ps.append(pin)
+        else:
+            self._pins = [ps, pin]
+
+    def _new_view(self, convert, key, stream):
         if len(key) == 3:
             dtype, shape = "uint8", (self.size,)
         else:
@@ -210,16 +238,29 @@ class Lease(wire.Offer):
         p = self._mapping.ptr
         if p is None:
             p = self.ptr  # raises NotSupported
-        dt, did = self._c._backend.dl_device
-        # A cached view keeps nothing of this lease alive (the consumer
-        # drops it with the mapping); one not cached keeps the lease, as
-        # __dlpack__'s do, so that the garbage collector does not release
-        # a lease whose view is still in use.
-        cache = views is not None and len(views) < MAX_VIEWS
-        cap = dlpack.capsule(p + self.offset, shape, meta.DTYPES[dtype][2], dt, did, _CACHED if cache else self)
-        v = convert(_Capsule(cap, (dt, did)))
-        if cache:
-            views[key] = v
+        p += self.offset
+        # Ordered first: a converter that copies reads after the producer.
+        self._order(stream)
+        c = self._c
+        dt, did = c._backend.dl_device
+        pin = _Pin(self)
+        v = convert(_Capsule(dlpack.capsule(p, shape, meta.DTYPES[dtype][2], dt, did, pin), (dt, did), self))
+        if address_of(v) != p:
+            return v  # a copy, or unknown: never reused; its pin keeps this lease for as long as it lives
+        with c._lock:
+            views = self._a.views
+            if views is None:
+                return v
+            have = views.get(key)
+            if have is not None:
+                # Another thread made this one first: one view per key.
+                if have[1].lease is not self:
+                    self._pin(have[1])
+                return have[0]
+            if len(views) < MAX_VIEWS and c._n_views < MAX_VIEWS_TOTAL:
+                views[key] = (v, pin)
+                c._n_views += 1
+                self._pin(pin)  # registered, so that the release unpins
         return v
 
     # --- giving it back ---
@@ -260,22 +301,63 @@ class Lease(wire.Offer):
             " released" if getattr(self, "released", True) else "")
 
 
+class _Pin:
+    """What the DLPack slot of array()'s view keeps alive: the lease the
+    view was last handed to, until that lease's release (a cached view), or
+    for as long as the view lives (one not cached, as __dlpack__'s)."""
+
+    __slots__ = ("lease",)
+
+    def __init__(self, lease):
+        self.lease = lease
+
+
+def unpin(lease, pins):
+    """Undoes Lease._pin for every pin of a released lease."""
+    if type(pins) is list:
+        for p in pins:
+            if p.lease is lease:
+                p.lease = None
+    elif pins.lease is lease:
+        pins.lease = None
+
+
+def address_of(v):
+    """The address of a framework's array, or None if it does not say:
+    torch's data_ptr(), the CUDA array interface (CuPy, Numba), the array
+    interface (NumPy)."""
+    try:
+        f = getattr(v, "data_ptr", None)
+        if f is not None:
+            return int(f())
+        for name in ("__cuda_array_interface__", "__array_interface__"):
+            d = getattr(v, name, None)
+            if isinstance(d, dict):
+                return int(d["data"][0])
+    except Exception:
+        pass
+    return None
+
+
 class _Capsule:
     """One capsule, handed to a framework's from_dlpack by the DLPack
     protocol (torch, CuPy and JAX take an object with __dlpack__, not all
-    a bare capsule). The stream a framework names is not waited on here:
-    Lease.array orders the stream its caller names."""
+    a bare capsule). The stream the framework names waits on the producer's
+    event too, as Lease.__dlpack__'s does."""
 
-    __slots__ = ("_cap", "_dev")
+    __slots__ = ("_cap", "_dev", "_lease")
 
-    def __init__(self, cap, dev):
+    def __init__(self, cap, dev, lease):
         self._cap = cap
         self._dev = dev
+        self._lease = lease
 
     def __dlpack__(self, stream=None, **_kw):
         cap, self._cap = self._cap, None
         if cap is None:
             raise BufferError("cudashare: this capsule was taken already")
+        if stream is not None:
+            self._lease._order(stream)
         return cap
 
     def __dlpack_device__(self):

@@ -35,7 +35,7 @@ class _Alloc:
         self.retired = False
         self.rel_events = set()
         self.closed = False
-        self.views = {}  # Lease.array's: (convert, offset, size[, dtype, shape]) -> the framework's view
+        self.views = {}  # Lease.array's: (convert, offset, size[, dtype, shape]) -> (the framework's view, its _Pin)
 
 
 class Reader:
@@ -312,6 +312,8 @@ class Reader:
         # before it, and their events are recorded already.
         self._push_locked()
         a.closed = True
+        if a.views:
+            self._n_views -= len(a.views)
         a.views = None  # the framework's views of the mapping go before it
         for ev in a.rel_events:
             self._backend.sync_event(ev)

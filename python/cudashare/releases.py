@@ -7,6 +7,7 @@ import logging
 import time
 
 from . import backends, wire
+from .lease import unpin
 
 log = logging.getLogger("cudashare")
 
@@ -21,6 +22,10 @@ class Releases:
             if lease.released:
                 return
             lease.released = True
+            ps = lease._pins
+            if ps is not None:
+                lease._pins = None
+                unpin(lease, ps)  # array()'s cached views stop keeping it alive
             if self._outstanding.pop(lease.seq, None) is None:
                 return  # voided by a goodbye or the connection's end
             a = lease._a

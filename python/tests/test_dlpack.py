@@ -126,15 +126,18 @@ class FakeTensor:
 
     made = 0
 
-    def __init__(self, obj):
+    def __init__(self, obj, stream=None):
         FakeTensor.made += 1
-        cap = obj.__dlpack__(stream=None)
+        cap = obj.__dlpack__(stream=stream)
         self.p, mt = consume(cap)
         t = mt.dl_tensor
         self.data = t.data
         self.shape = tuple(t.shape[i] for i in range(t.ndim))
         self.dtype = (t.dtype.code, t.dtype.bits)
         self.deleter = mt.deleter
+
+    def data_ptr(self):
+        return self.data
 
     def __del__(self):
         self.deleter(self.p)
@@ -148,62 +151,136 @@ def other_from_dlpack(obj):
     return FakeTensor(obj)
 
 
-def offers_of_one_range(f, c, seqs, meta=None, offset=8192, size=4096, first=True):
-    """Offers seqs, one after another, in the same range of allocation 1;
-    returns the leases."""
-    out = []
-    for i, seq in enumerate(seqs):
-        if first and i == 0:
-            fd = sim_memfd(MiB2, 5)
-            f.offer(seq, size=size, offset=offset, kind=1, nfds=1, fds=[fd], meta=meta or {"batch": seq})
-            os.close(fd)
-        else:
-            f.offer(seq, size=size, offset=offset, kind=1, meta=meta or {"batch": seq})
-        out.append(c.next(timeout=5))
-    return out
+class FakeCopy:
+    """A converter's result that is a copy (as jaxlib makes of a buffer it
+    finds unaligned): another address, the bytes of the moment."""
+
+    def __init__(self, obj):
+        t = FakeTensor(obj)
+        self.bytes = ctypes.string_at(t.data, 8)
+        self.buf = ctypes.create_string_buffer(self.bytes)
+
+    def data_ptr(self):
+        return ctypes.addressof(self.buf)
+
+
+class Opaque:
+    """A converter's result whose address this package cannot read."""
+
+    def __init__(self, obj):
+        self.t = FakeTensor(obj)
+
+
+def offer_range(f, c, seq, first=False, meta=None, offset=8192, size=4096, fill=5):
+    """Offers seq in allocation 1 (the first offer brings its memfd) and
+    returns the lease."""
+    if first:
+        fd = sim_memfd(MiB2, fill)
+        f.offer(seq, size=size, offset=offset, kind=1, nfds=1, fds=[fd], meta=meta or {"batch": seq})
+        os.close(fd)
+    else:
+        f.offer(seq, size=size, offset=offset, kind=1, meta=meta or {"batch": seq})
+    return c.next(timeout=5)
 
 
 def test_array_is_made_once_per_range_and_reused(fake):
     f, c = connected(fake)
     base, made = dlpack.live(), FakeTensor.made
-    l1, = offers_of_one_range(f, c, [1])
-    v1 = l1.array(fake_from_dlpack)
+    l1 = offer_range(f, c, 1, first=True)
+    v1 = l1.array(fake_from_dlpack, None)
     assert isinstance(v1, FakeTensor) and v1.data == l1.ptr and v1.shape == (4096,) and v1.dtype == (1, 8)
-    assert l1.array(fake_from_dlpack) is v1
+    assert l1.array(fake_from_dlpack, None) is v1
     l1.release()
     # The next lease of the same range gets the same view: no capsule, no
     # framework call.
-    l2, = offers_of_one_range(f, c, [2], first=False)
-    assert l2.array(fake_from_dlpack) is v1 and FakeTensor.made == made + 1
-    # Another converter, or another dtype and shape, is another view.
-    v2 = l2.array(other_from_dlpack)
+    l2 = offer_range(f, c, 2)
+    assert l2.array(fake_from_dlpack, None) is v1 and FakeTensor.made == made + 1
+    # Another converter, size, or dtype and shape, is another view.
+    v2 = l2.array(other_from_dlpack, None)
     assert v2 is not v1 and v2.data == v1.data
     l2.release()
-    l3, = offers_of_one_range(f, c, [3], meta={"batch": 3, "dtype": "float32", "shape": [4, 8]}, first=False)
-    v3 = l3.array(fake_from_dlpack)
-    assert v3 is not v1 and v3.shape == (4, 8) and v3.dtype == (2, 32)
-    assert l3.array(fake_from_dlpack) is v3
+    l3 = offer_range(f, c, 3, size=2048)
+    v3 = l3.array(fake_from_dlpack, None)
+    assert v3 is not v1 and v3.shape == (2048,) and v3.data == v1.data
     l3.release()
-    # A cached view keeps no lease alive.
-    w = weakref.ref(l3)
-    del l1, l2, l3
-    gc.collect()
-    assert w() is None
-    assert dlpack.live() == base + 3 and FakeTensor.made == made + 3
-    # Retire: the consumer drops its views before it unmaps.
-    del v1, v2, v3
+    l4 = offer_range(f, c, 4, meta={"batch": 4, "dtype": "float32", "shape": [4, 8]})
+    v4 = l4.array(fake_from_dlpack, None)
+    assert v4 is not v1 and v4.shape == (4, 8) and v4.dtype == (2, 32)
+    assert l4.array(fake_from_dlpack, None) is v4
+    l4.release()
+    assert dlpack.live() == base + 4 and FakeTensor.made == made + 4
+    assert c._n_views == 4
+    # Retire, with a released lease still referenced: the consumer drops
+    # its views before it unmaps, and their slots return.
+    del v1, v2, v3, v4, l1, l2, l3
     f.send([5, 1])
     assert f.recv_until(6) == [6, 1]
     gc.collect()
-    assert dlpack.live() == base
+    assert dlpack.live() == base and c._n_views == 0
+    assert l4.released
     c.close(timeout=0.5)
+
+
+def test_array_keeps_its_lease_until_release(fake):
+    """A view in use keeps its lease from the garbage collector (which
+    would release it under the view), as a tensor of __dlpack__ does; after
+    the release it keeps nothing."""
+    f, c = connected(fake)
+    v = offer_range(f, c, 1, first=True).array(fake_from_dlpack, None)  # the lease is a temporary
+    gc.collect()
+    assert c.stats().get("leaked", 0) == 0 and c.stats()["releases"] == 0
+    (w,) = [r for r in c._outstanding.values()]
+    l = w()
+    assert l is not None and not l.released and v.data == l.ptr
+    l.release()
+    del l
+    gc.collect()
+    assert w() is None  # released: the cached view no longer holds it
+    l2 = offer_range(f, c, 2)
+    assert l2.array(fake_from_dlpack, None) is v
+    w2 = weakref.ref(l2)
+    del l2
+    gc.collect()
+    assert w2() is not None and c.stats().get("leaked", 0) == 0  # pinned again by the view it was handed
+    w2().release()
+    gc.collect()
+    assert w2() is None
+    c.close(timeout=0.5)
+
+
+def test_array_never_reuses_a_copy_or_an_unknown_object(fake):
+    """A converter that copies would give every later lease the first
+    one's bytes if its result were reused; one whose address cannot be
+    read might. Both are made anew each time, and keep their lease."""
+    f, c = connected(fake)
+    l1 = offer_range(f, c, 1, first=True, fill=1)
+    c1 = l1.array(FakeCopy, None)
+    assert c1.bytes == b"\x01" * 8
+    o1 = l1.array(Opaque, None)
+    assert l1.array(FakeCopy, None) is not c1 and l1.array(Opaque, None) is not o1
+    w = weakref.ref(l1)
+    l1.release()
+    del l1
+    gc.collect()
+    assert w() is not None  # c1 and o1 keep it, as __dlpack__'s tensors do
+    ctypes.memset(o1.t.data, 2, 4096)  # the producer's next batch in that range
+    l2 = offer_range(f, c, 2)
+    assert l2.array(FakeCopy, None).bytes == b"\x02" * 8
+    assert c._n_views == 0
+    del c1, o1
+    gc.collect()
+    assert w() is None
+    l2.release()
+    c.close(timeout=0.5)
+    gc.collect()
+    assert dlpack.live() == 0
 
 
 def test_array_views_die_with_the_consumer(fake):
     f, c = connected(fake)
     base = dlpack.live()
-    l, = offers_of_one_range(f, c, [1])
-    l.array(fake_from_dlpack)
+    l = offer_range(f, c, 1, first=True)
+    l.array(fake_from_dlpack, None)
     l.release()
     assert dlpack.live() == base + 1
     c.close(timeout=0.5)
@@ -211,46 +288,108 @@ def test_array_views_die_with_the_consumer(fake):
     assert dlpack.live() == base
 
 
-def test_array_cache_is_bounded(fake):
+def test_array_cache_is_bounded(fake, monkeypatch):
     """A producer that lends ever new ranges (or a caller with a new
-    converter per call) cannot grow the cache past MAX_VIEWS; past it each
-    call makes a view that keeps its lease alive, as __dlpack__'s do."""
+    converter per call) cannot grow the cache past MAX_VIEWS per
+    allocation, nor past MAX_VIEWS_TOTAL in all; past them each call makes
+    a view that keeps its lease alive, as __dlpack__'s do."""
+    from cudashare import lease as lease_mod
+    monkeypatch.setattr(lease_mod, "MAX_VIEWS_TOTAL", lease_mod.MAX_VIEWS + 2)
     f, c = connected(fake, credits=1)
     base = dlpack.live()
-    from cudashare import lease as lease_mod
     n = lease_mod.MAX_VIEWS + 3
-    fd = sim_memfd(MiB2, 5)
     held = []
-    for i in range(n):
-        if i == 0:
-            f.offer(1, size=256, offset=0, kind=1, nfds=1, fds=[fd], meta={"batch": 1})
-            os.close(fd)
-        else:
-            f.offer(i + 1, size=256, offset=256 * i, kind=1, meta={"batch": i + 1})
-        l = c.next(timeout=5)
-        v = l.array(fake_from_dlpack)
-        assert v.data == l.ptr
-        if i >= lease_mod.MAX_VIEWS:
-            assert l.array(fake_from_dlpack) is not v  # not cached
-            held.append((weakref.ref(l), v))
-        l.release()
-        del l
+    seq = 0
+    for alloc in (1, 2):
+        fd = sim_memfd(MiB2, 5)
+        for i in range(n if alloc == 1 else 4):
+            seq += 1
+            if i == 0:
+                f.offer(seq, alloc_id=alloc, size=256, offset=0, kind=1, nfds=1, fds=[fd], meta={"batch": seq})
+                os.close(fd)
+            else:
+                f.offer(seq, alloc_id=alloc, size=256, offset=256 * i, kind=1, meta={"batch": seq})
+            l = c.next(timeout=5)
+            v = l.array(fake_from_dlpack, None)
+            assert v.data == l.ptr
+            cached = i < lease_mod.MAX_VIEWS if alloc == 1 else i < 2
+            assert (l.array(fake_from_dlpack, None) is v) == cached
+            if not cached:
+                held.append((weakref.ref(l), v))
+            l.release()
+            assert f.recv_until(4) == [4, [seq]]  # read, as a producer does (a socket holds only so many)
+            del l
+    assert c._n_views == lease_mod.MAX_VIEWS_TOTAL
     gc.collect()
-    assert all(w() is not None for w, _ in held)  # the uncached views keep their leases
-    assert dlpack.live() == base + lease_mod.MAX_VIEWS + len(held)
+    assert all(w() is not None for w, _ in held)  # the views not cached keep their leases
+    assert dlpack.live() == base + lease_mod.MAX_VIEWS_TOTAL + len(held)
     del held, v
     gc.collect()
-    assert dlpack.live() == base + lease_mod.MAX_VIEWS
+    assert dlpack.live() == base + lease_mod.MAX_VIEWS_TOTAL
     c.close(timeout=0.5)
     gc.collect()
     assert dlpack.live() == base
+
+
+class Recording:
+    """The sim backend as a GPU backend that records the stream waits."""
+
+    on_host = False
+
+    def __init__(self, b):
+        self.b = b
+        self.waits = []
+
+    def __getattr__(self, name):
+        return getattr(self.b, name)
+
+    def open_event(self, handle):
+        return 0xE1
+
+    def wait_event(self, ev, stream):
+        self.waits.append((ev, stream))
+
+
+def test_array_orders_the_named_stream_once_per_lease(fake):
+    """The stream array() names waits on each lease's event, once per lease
+    and stream (None and 1: the legacy default stream, 0; -1: none), and
+    so does the stream a converter names through DLPack."""
+    f, c = connected(fake)
+    rec = c._backend = Recording(c._backend)
+
+    class S:
+        cuda_stream = 7
+
+    def named(obj):
+        return FakeTensor(obj, stream=9)
+
+    fd = sim_memfd(MiB2, 5)
+    f.offer(1, size=4096, offset=8192, kind=1, nfds=1, fds=[fd], meta={"batch": 1}, event=b"\x01" * 64)
+    os.close(fd)
+    l = c.next(timeout=5)
+    v = l.array(fake_from_dlpack, 5)
+    assert rec.waits == [(0xE1, 5)]
+    assert l.array(fake_from_dlpack, 5) is v and l.array(fake_from_dlpack, S()) is v
+    assert l.array(fake_from_dlpack, None) is v and l.array(fake_from_dlpack, 1) is v
+    assert l.array(fake_from_dlpack, -1) is v
+    assert rec.waits == [(0xE1, 5), (0xE1, 7), (0xE1, 0)]
+    l.array(named, 3)
+    assert rec.waits[3:] == [(0xE1, 3), (0xE1, 9)]  # ours, then the converter's
+    l.release()
+    f.offer(2, size=4096, offset=8192, kind=1, meta={"batch": 2}, event=b"\x01" * 64)
+    l2 = c.next(timeout=5)
+    del rec.waits[:]
+    assert l2.array(fake_from_dlpack, 5) is v
+    assert rec.waits == [(0xE1, 5)]  # every lease waits again
+    l2.release()
+    c.close(timeout=0.5)
 
 
 def test_array_of_a_released_lease_and_a_capsule_taken_twice(fake):
     f, c, l = lease_of(fake)
     l.release()
     try:
-        l.array(fake_from_dlpack)
+        l.array(fake_from_dlpack, None)
     except cudashare.Closed:
         pass
     else:
@@ -263,7 +402,7 @@ def test_array_of_a_released_lease_and_a_capsule_taken_twice(fake):
     f.offer(2, size=4096, offset=8192, kind=1, meta={"batch": 2})
     l2 = c.next(timeout=5)
     try:
-        l2.array(twice)
+        l2.array(twice, None)
     except BufferError:
         pass
     else:
@@ -272,3 +411,28 @@ def test_array_of_a_released_lease_and_a_capsule_taken_twice(fake):
     assert dlpack.live() == 0
     l2.release()
     c.close(timeout=0.5)
+
+
+def test_leases_refuse_views_after_a_bad_end_and_close(fake):
+    """A producer that vanishes with a lease out, then close(): the lease's
+    mapping is closed, so the lease is released and refuses ptr, views and
+    capsules (no pointer into unmapped memory)."""
+    f, c = connected(fake)
+    l = offer_range(f, c, 1, first=True)
+    f.conn.close()
+    try:
+        c.next(timeout=5)
+    except cudashare.ProducerGone:
+        pass
+    c.close(timeout=0.5)
+    assert l.released
+    for use in (lambda: l.ptr, lambda: l.array(fake_from_dlpack, None), l.__dlpack__):
+        try:
+            use()
+        except cudashare.Closed:
+            pass
+        else:
+            raise AssertionError("a view of an unmapped lease")
+    l.release()  # idempotent, no error
+    gc.collect()
+    assert dlpack.live() == 0
