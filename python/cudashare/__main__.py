@@ -14,7 +14,7 @@ import time
 
 from . import connect
 from . import errors
-from .errors import Closed, CudashareError, NotSupported, ProducerGone, ProtocolError
+from .errors import Closed, CudashareError, DriverError, NotSupported, ProducerGone, ProtocolError, Timeout
 
 # The Go consumer's exit statuses (internal/app/common.go), so that scripts
 # and the benchmark read both the same way.
@@ -55,6 +55,33 @@ def _flag(v):
     raise argparse.ArgumentTypeError("want true or false, got %r" % v)
 
 
+def explain_connect(path, e):
+    """(end, error, exit status) for a failure to connect, with the Go
+    consumer's statuses (internal/app/explain.go explainDial)."""
+    if isinstance(e, (FileNotFoundError, ConnectionRefusedError)):
+        return "error", "no producer at %s: %s" % (path, e), EXIT_NO_PRODUCER
+    if isinstance(e, PermissionError):
+        return "refused", ("cannot reach %s: %s; cudashare only connects processes of the same user: run the "
+                           "consumer as the producer's user" % (path, e)), EXIT_REFUSED
+    if isinstance(e, (NotSupported, DriverError)):
+        return "error", str(e), EXIT_NO_DRIVER
+    if isinstance(e, ValueError) and "backend" in str(e):
+        return "error", "%s (--driver or CUDASHARE_DRIVER)" % e, EXIT_NO_DRIVER
+    if isinstance(e, ProtocolError):
+        # Refused at the handshake (another user, a version, a limit), or a
+        # listener that is not a working producer.
+        if not e.remote and e.code == errors.MALFORMED:
+            return "error", "%s is not a working cudashare producer: %s" % (path, e), EXIT_NO_PRODUCER
+        return "refused", str(e), EXIT_REFUSED
+    if isinstance(e, Timeout):
+        return "refused", ("the process at %s did not complete the cudashare handshake (%s): it is not a cudashare "
+                           "producer, or it is too busy to answer" % (path, e)), EXIT_REFUSED
+    if isinstance(e, (ProducerGone, ConnectionResetError, BrokenPipeError)):
+        return "error", ("the process at %s hung up during the handshake: it is not a working cudashare producer, "
+                         "or it is overloaded (%s)" % (path, e)), EXIT_NO_PRODUCER
+    return "error", "cannot connect to the producer at %s: %s" % (path, e), EXIT_FAILURE
+
+
 def consume(args, out):
     rep = {"role": "consumer", "impl": "cudashare-python", "driver": "", "driver_reason": "", "device": args.device,
            "device_uuid": "", "producer_device": "", "same_device": False, "socket": args.socket,
@@ -72,24 +99,12 @@ def consume(args, out):
     try:
         c = connect(args.socket, device=args.device, credits=args.credits, backend=args.driver, wait=args.wait,
                     ring=args.shm)
-    except (FileNotFoundError, ConnectionRefusedError) as e:
-        rep.update(end="error", error="no producer at %s: %s" % (args.socket, e), exit=EXIT_NO_PRODUCER)
-        return rep
-    except NotSupported as e:
-        rep.update(end="error", error=str(e), exit=EXIT_NO_DRIVER)
-        return rep
     except KeyboardInterrupt:
         rep.update(end="signal", error="interrupted while connecting to %s" % args.socket, exit=EXIT_FAILURE)
         return rep
-    except ProtocolError as e:
-        # Refused at the handshake: another user, a version, a limit.
-        rep.update(end="refused", error=str(e), exit=EXIT_REFUSED if e.remote else EXIT_FAILURE)
-        return rep
-    except (OSError, CudashareError) as e:
-        # Anything else on the way in (a path through a file, a directory
-        # this user may not enter, a producer silent at the handshake) is
-        # a failure with its reason, as the Go consumer reports it.
-        rep.update(end="error", error="cannot connect to the producer at %s: %s" % (args.socket, e), exit=EXIT_FAILURE)
+    except Exception as e:
+        end, err, code = explain_connect(args.socket, e)
+        rep.update(end=end, error=err, exit=code)
         return rep
     rep["driver"], rep["driver_reason"] = c.backend, c.backend_reason
     rep["shm"] = c.stats()["ring"]

@@ -57,7 +57,7 @@ _STOP_WAIT = 10.0
 
 
 def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeout=10.0,
-            frame_timeout=10.0, handle_sigterm=False, wait=0.0, ring=None):
+            frame_timeout=10.0, handle_sigterm=False, wait=0.0, ring=None, allowed_uids=None):
     """Connects to the producer listening at path and returns a Consumer.
 
     device: the GPU (this process's ordinal) to map buffers on. credits: the
@@ -72,7 +72,11 @@ def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeou
     both sides are busy) where this process can use them; None: only if
     CUDASHARE_RING=1 (cudashare/ring.py says why they are not the default).
     ``stats()["ring"]`` says whether the connection has them,
-    ``ring_reason`` why not.
+    ``ring_reason`` why not. allowed_uids: the users whose listener this
+    consumer accepts (PROTOCOL.md section 1; default: this process's
+    effective uid only): a listener of another user, who could read or
+    write what it lends, is told so (peer_refused) and ProtocolError is
+    raised.
     """
     if ring is None:
         ring = os.environ.get("CUDASHARE_RING", "") == "1"
@@ -96,6 +100,11 @@ def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeou
         except BaseException:
             sock.close()
             raise
+    try:
+        _check_listener(sock, path, allowed_uids)
+    except BaseException:
+        sock.close()
+        raise
     c = Consumer(sock, path, device, credits, write_timeout, frame_timeout, ring)
     try:
         c._handshake(timeout, backend)
@@ -105,6 +114,27 @@ def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeou
     if handle_sigterm:
         install_sigterm_handler()
     return c
+
+
+def _check_listener(sock, path, allowed_uids):
+    """PROTOCOL.md section 1: the listener's SO_PEERCRED uid must be an
+    allowed one; a refused listener gets one peer_refused error, nothing
+    else."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    allowed = (os.geteuid(),) if allowed_uids is None else tuple(allowed_uids)
+    if uid in allowed:
+        return
+    text = "uid %d is not allowed by dialer of %s" % (uid, path)
+    log.warning("cudashare: refused the listener at %s: pid %d uid %d (allowed uids: %s)", path, pid, uid,
+                ", ".join(map(str, allowed)))
+    try:
+        sock.settimeout(0.1)
+        sock.sendall(wire.pack([wire.ERROR, errors.PEER_REFUSED, text]))
+    except OSError:
+        pass
+    raise ProtocolError(errors.PEER_REFUSED, "the process listening at %s runs as uid %d, which this consumer "
+                        "(uid %d) does not accept (allowed: %s): cudashare only connects processes of the same "
+                        "user by default" % (path, uid, os.geteuid(), ", ".join(map(str, allowed))))
 
 
 def install_sigterm_handler():

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -301,25 +302,126 @@ def test_vmm_data_path(go_producer, gobin):
     assert p.wait()[1] == 0
 
 
-def test_cli_connect_failures_are_reported(tmp_path):
-    """Every way connecting fails is a report line with the reason, not a
-    traceback: a socket path through a file (ENOTDIR; a directory this user
-    may not enter takes the same path), and a listener that never answers
-    the hello (the handshake's timeout, 5 s)."""
+def test_cli_connect_failures_are_reported(tmp_path, monkeypatch):
+    """Every way connecting fails is a report line with the reason and the
+    Go consumer's exit status (internal/app/explain.go), not a traceback:
+    a socket path through a file (ENOTDIR: 1), a listener that never
+    answers the hello (the handshake's timeout, 5 s: 7, refused), one that
+    hangs up at once (4), an unknown driver (3)."""
     from cudashare import __main__ as m
     f = tmp_path / "file"
     f.write_text("")
-    path = str(tmp_path / "silent.sock")
+    silent = str(tmp_path / "silent.sock")
     ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    ls.bind(path)
+    ls.bind(silent)
     ls.listen(1)  # connects land in the backlog; nobody ever answers
+    hangup = str(tmp_path / "hangup.sock")
+    hs = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    hs.bind(hangup)
+    hs.listen(8)
+    stop = threading.Event()
+
+    def hang_up():
+        hs.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = hs.accept()
+            except OSError:
+                continue
+            conn.close()
+    t = threading.Thread(target=hang_up, daemon=True)
+    t.start()
+    cases = [
+        (str(f / "cudashare.sock"), {}, m.EXIT_FAILURE, "Not a directory"),
+        (silent, {}, m.EXIT_REFUSED, "did not complete the cudashare handshake"),
+        (hangup, {}, m.EXIT_NO_PRODUCER, "hung up during the handshake"),
+        (silent, {"CUDASHARE_DRIVER": "bogus"}, m.EXIT_NO_DRIVER, "bogus"),
+    ]
     try:
-        for sock, want in ((str(f / "cudashare.sock"), "Not a directory"), (path, "no hello-ack")):
+        for sock, env, code, says in cases:
+            if env:
+                # The driver is chosen after the handshake: a producer that
+                # answers it is needed, the fake one is enough.
+                continue
             r = subprocess.run([sys.executable, "-m", "cudashare", "consume", "--socket", sock],
-                               cwd=PY, capture_output=True, text=True, timeout=60)
+                               cwd=PY, capture_output=True, text=True, timeout=60, env=dict(os.environ, **env))
             rep = json.loads(r.stdout.strip().splitlines()[-1])
-            assert r.returncode == m.EXIT_FAILURE and rep["exit"] == m.EXIT_FAILURE, (r.returncode, r.stderr[-2000:])
-            assert "cannot connect" in rep["error"] and want in rep["error"], rep
+            assert r.returncode == code and rep["exit"] == code, (sock, r.returncode, rep, r.stderr[-2000:])
+            assert says in rep["error"], rep
             assert "Traceback" not in r.stderr, r.stderr[-2000:]
     finally:
+        stop.set()
         ls.close()
+        hs.close()
+        t.join(2)
+
+
+def test_cli_unknown_driver_exits_3(fake):
+    from cudashare import __main__ as m
+    f = fake()
+    t = f.serve()
+    r = subprocess.run([sys.executable, "-m", "cudashare", "consume", "--socket", f.path], cwd=PY,
+                       capture_output=True, text=True, timeout=60, env=dict(os.environ, CUDASHARE_DRIVER="bogus"))
+    t.join(5)
+    rep = json.loads(r.stdout.strip().splitlines()[-1])
+    assert r.returncode == m.EXIT_NO_DRIVER and "bogus" in rep["error"] and "Traceback" not in r.stderr, (rep, r.stderr)
+
+
+def test_listener_of_another_user_is_refused(fake):
+    """PROTOCOL.md section 1: the consumer reads the listener's
+    SO_PEERCRED uid and refuses one it does not allow: one peer_refused
+    error, then the end, no hello; ProtocolError."""
+    f = fake()
+    got = []
+
+    def accept():
+        f.lsock.settimeout(5)
+        f.conn, _ = f.lsock.accept()
+        f.conn.settimeout(5)
+        got.append(f.recv())
+        got.append(f.recv())
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    other = os.geteuid() + 4242
+    try:
+        cudashare.connect(f.path, backend="sim", allowed_uids=[other])
+    except cudashare.ProtocolError as e:
+        assert e.code == 2 and not e.remote and "runs as uid %d" % os.geteuid() in str(e), e
+    else:
+        raise AssertionError("a listener of a user not allowed was accepted")
+    t.join(5)
+    assert len(got) == 2 and got[0][:2] == [9, 2] and "not allowed" in got[0][2] and got[1] is None, got
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to listen as another user (uid 65534)")
+def test_cli_refuses_a_listener_of_another_user():
+    """The CLI's default: only its own user; another's listener is refused
+    with exit 7, as the Go consumer does."""
+    from cudashare import __main__ as m
+    d = tempfile.mkdtemp(prefix="cudashare-uid-")
+    os.chmod(d, 0o777)
+    path = os.path.join(d, "s")
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import os, socket, sys
+        os.setgid(65534); os.setuid(65534)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(sys.argv[1]); s.listen(1)
+        print("listening", flush=True)
+        s.settimeout(30)
+        c, _ = s.accept()
+        c.settimeout(5)
+        print(repr(c.recv(4096)), flush=True)
+        """), path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "listening"
+        r = subprocess.run([sys.executable, "-m", "cudashare", "consume", "--socket", path], cwd=PY,
+                           capture_output=True, text=True, timeout=60)
+        rep = json.loads(r.stdout.strip().splitlines()[-1])
+        assert r.returncode == m.EXIT_REFUSED and rep["end"] == "refused" and "uid 65534" in rep["error"], (rep, r.stderr)
+        assert "not allowed" in child.stdout.readline()  # it was told why
+    finally:
+        child.kill()
+        child.wait()
+        for n in os.listdir(d):
+            os.unlink(os.path.join(d, n))
+        os.rmdir(d)
