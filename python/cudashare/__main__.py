@@ -68,11 +68,14 @@ def explain_connect(path, e):
     if isinstance(e, ValueError) and "backend" in str(e):
         return "error", "%s (--driver or CUDASHARE_DRIVER)" % e, EXIT_NO_DRIVER
     if isinstance(e, ProtocolError):
-        # Refused at the handshake (another user, a version, a limit), or a
-        # listener that is not a working producer.
-        if not e.remote and e.code == errors.MALFORMED:
+        # Refused at the handshake (another user, a version, a limit, the
+        # handshake itself), a listener that is not a working producer
+        # (malformed), or anything else that broke it.
+        if e.code in (errors.PEER_REFUSED, errors.VERSION, errors.HANDSHAKE) or (e.remote and e.code == errors.LIMIT):
+            return "refused", str(e), EXIT_REFUSED
+        if e.code == errors.MALFORMED:
             return "error", "%s is not a working cudashare producer: %s" % (path, e), EXIT_NO_PRODUCER
-        return "refused", str(e), EXIT_REFUSED
+        return "error", "cannot connect to the producer at %s: %s" % (path, e), EXIT_FAILURE
     if isinstance(e, Timeout):
         return "refused", ("the process at %s did not complete the cudashare handshake (%s): it is not a cudashare "
                            "producer, or it is too busy to answer" % (path, e)), EXIT_REFUSED

@@ -73,7 +73,7 @@ def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeou
     CUDASHARE_RING=1 (cudashare/ring.py says why they are not the default).
     ``stats()["ring"]`` says whether the connection has them,
     ``ring_reason`` why not. allowed_uids: the users whose listener this
-    consumer accepts (PROTOCOL.md section 1; default: this process's
+    consumer accepts (PROTOCOL.md section 1; None or empty: this process's
     effective uid only): a listener of another user, who could read or
     write what it lends, is told so (peer_refused) and ProtocolError is
     raised.
@@ -120,8 +120,8 @@ def _check_listener(sock, path, allowed_uids):
     """PROTOCOL.md section 1: the listener's SO_PEERCRED uid must be an
     allowed one; a refused listener gets one peer_refused error, nothing
     else."""
-    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    allowed = (os.geteuid(),) if allowed_uids is None else tuple(allowed_uids)
+    pid, uid, _gid = struct.unpack("iII", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    allowed = tuple(allowed_uids or ()) or (os.geteuid(),)  # none named: this user, as the Go transport
     if uid in allowed:
         return
     text = "uid %d is not allowed by dialer of %s" % (uid, path)
@@ -510,7 +510,11 @@ class Consumer(Reader, Releases):
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise Timeout("no offer within %.3gs" % timeout)
-                # About to wait: what this consumer gave back leaves now.
+                # About to wait: what this consumer gave back leaves now,
+                # and with every credit held, a lease the application lost
+                # with its array() view is given back (Releases._reap_orphans).
+                if self._n_views and len(self._outstanding) >= self._window:
+                    self._reap_orphans()
                 self._push_locked()
                 self._user_t = time.monotonic()
             # The socket is free: read it here, in the caller's thread.

@@ -1,5 +1,6 @@
 """A lease: one offer this consumer holds until it releases it."""
 
+import sys
 import warnings
 
 from . import backends, dlpack, meta, wire
@@ -176,12 +177,17 @@ class Lease(wire.Offer):
         None or 1: the legacy default stream; -1: none) is made to wait on
         the producer's event, once per lease and stream, as
         __dlpack__(stream) does. It is not optional: a framework's current
-        stream is often another one (torch.cuda.Stream() is non-blocking).
-        Run the work on it, and release on it.
+        stream is often another one (torch.cuda.Stream() is non-blocking),
+        and the stream the converter names is ordered only when the view is
+        made (the first lease of its range). Run the work on stream, and
+        release on it.
 
         The object is a view of memory lent to this lease only: use it
         between array() and release(), as every view; until the release it
-        keeps the lease alive, as a tensor of __dlpack__ does. The next
+        keeps the lease alive, as a tensor of __dlpack__ does. A lease
+        dropped without release together with its view is given back (and
+        counted leaked, with a warning) when next() would wait with every
+        credit held, or when its allocation is retired. The next
         lease of the range gets the same object: change it only through new
         views (x.view(...), x[...]), not in place (shape, dtype,
         requires_grad). An object that is not at the lease's address (a
@@ -202,7 +208,8 @@ class Lease(wire.Offer):
         if ent is None:
             return self._new_view(convert, key, stream)
         if ent[1].lease is not self:
-            self._pin(ent[1])
+            with self._c._lock:
+                self._pin(ent[1])
         if self._event is not None:
             self._order(stream)
         return ent[0]
@@ -220,7 +227,9 @@ class Lease(wire.Offer):
 
     def _pin(self, pin):
         """Makes pin (a cached view's) keep this lease alive until its
-        release (Releases._release unpins)."""
+        release (Releases._release unpins). Under the consumer's lock."""
+        if self.released:
+            return
         pin.lease = self
         ps = self._pins
         if ps is None:
@@ -243,7 +252,7 @@ class Lease(wire.Offer):
         self._order(stream)
         c = self._c
         dt, did = c._backend.dl_device
-        pin = _Pin(self)
+        pin = _Pin(self, key)
         v = convert(_Capsule(dlpack.capsule(p, shape, meta.DTYPES[dtype][2], dt, did, pin), (dt, did), self))
         if address_of(v) != p:
             return v  # a copy, or unknown: never reused; its pin keeps this lease for as long as it lives
@@ -257,7 +266,7 @@ class Lease(wire.Offer):
                 if have[1].lease is not self:
                     self._pin(have[1])
                 return have[0]
-            if len(views) < MAX_VIEWS and c._n_views < MAX_VIEWS_TOTAL:
+            if len(views) < MAX_VIEWS and c._n_views < MAX_VIEWS_TOTAL and not self.released:
                 views[key] = (v, pin)
                 c._n_views += 1
                 self._pin(pin)  # registered, so that the release unpins
@@ -304,12 +313,14 @@ class Lease(wire.Offer):
 class _Pin:
     """What the DLPack slot of array()'s view keeps alive: the lease the
     view was last handed to, until that lease's release (a cached view), or
-    for as long as the view lives (one not cached, as __dlpack__'s)."""
+    for as long as the view lives (one not cached, as __dlpack__'s). key:
+    the view's in its allocation's cache."""
 
-    __slots__ = ("lease",)
+    __slots__ = ("lease", "key")
 
-    def __init__(self, lease):
+    def __init__(self, lease, key):
         self.lease = lease
+        self.key = key
 
 
 def unpin(lease, pins):
@@ -327,16 +338,38 @@ def address_of(v):
     torch's data_ptr(), the CUDA array interface (CuPy, Numba), the array
     interface (NumPy)."""
     try:
-        f = getattr(v, "data_ptr", None)
-        if f is not None:
-            return int(f())
-        for name in ("__cuda_array_interface__", "__array_interface__"):
-            d = getattr(v, name, None)
-            if isinstance(d, dict):
-                return int(d["data"][0])
+        return int(v.data_ptr())
     except Exception:
         pass
+    for name in ("__cuda_array_interface__", "__array_interface__"):
+        try:
+            return int(getattr(v, name)["data"][0])
+        except Exception:
+            pass
     return None
+
+
+def orphans(outstanding):
+    """The leases among outstanding (seq -> weakref) that nothing but
+    their pins references, and whose cached views nothing but the cache
+    does: leases the application dropped without release, which the
+    garbage collector cannot reach (the pins are held by DLPack slots, a
+    module global). The caller holds the consumer's lock."""
+    out = []
+    for ref in list(outstanding.values()):
+        l = ref()
+        if l is None or l._pins is None or l.released:
+            continue
+        ps = l._pins if type(l._pins) is list else (l._pins,)
+        # Held by: each of its pins, l here, getrefcount's argument.
+        if sys.getrefcount(l) > len(ps) + 2:
+            continue
+        views = l._a.views
+        # Each view held by: its cache entry, getrefcount's argument.
+        if views is not None and all(
+                p.key in views and views[p.key][1] is p and sys.getrefcount(views[p.key][0]) <= 2 for p in ps):
+            out.append(l)
+    return out
 
 
 class _Capsule:

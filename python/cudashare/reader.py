@@ -11,7 +11,7 @@ import weakref
 
 from . import wire, errors
 from .errors import Closed, CudashareError, ProducerGone, ProtocolError
-from .lease import Lease
+from .lease import Lease, unpin
 
 import logging
 
@@ -159,6 +159,13 @@ class Reader:
                     for l in self._queue:
                         l.released = True
                     self._queue.clear()
+                    # Nor do array()'s pins keep leases (and through them
+                    # this consumer) alive: nothing can be given back now.
+                    for ref in self._outstanding.values():
+                        l = ref()
+                        if l is not None and l._pins is not None:
+                            ps, l._pins = l._pins, None
+                            unpin(l, ps)
             self._wake()
 
     def _wake(self):
@@ -302,7 +309,9 @@ class Reader:
                 return
             a.retired = True
             self._stats["retired"] += 1
-            if a.leases == 0:
+            if a.leases and a.views:
+                self._reap_orphans()  # may close it: the last lease's release does
+            if a.leases == 0 and not a.closed:
                 self._close_alloc(alloc_id, a, answer=True)
 
     def _close_alloc(self, alloc_id, a, answer):

@@ -5,9 +5,10 @@ by idea, not to be used alone."""
 
 import logging
 import time
+import warnings
 
 from . import backends, wire
-from .lease import unpin
+from .lease import orphans, unpin
 
 log = logging.getLogger("cudashare")
 
@@ -85,6 +86,18 @@ class Releases:
                     out.append(wire.pack([R, seqs[i:i + M], h]))
         self._n_msgs += len(out)
         self._send_quiet_frames(b"".join(out) if len(out) > 1 else out[0])
+
+    def _reap_orphans(self):
+        """array()'s pins keep a lease from the garbage collector while the
+        application may use its view; a lease the application dropped
+        without release, whose view it dropped too, is found here (when
+        next() would wait with every credit held, and at a retire) and
+        released as the collector would have: counted leaked, with a
+        warning. The caller holds _lock."""
+        for l in orphans(self._outstanding):
+            warnings.warn("cudashare: lease %d was dropped without release (its array() view too); released now"
+                          % l.seq, ResourceWarning, stacklevel=2)
+            self._leaked(l)
 
     def _leaked(self, lease):
         with self._lock:

@@ -436,3 +436,79 @@ def test_leases_refuse_views_after_a_bad_end_and_close(fake):
     l.release()  # idempotent, no error
     gc.collect()
     assert dlpack.live() == 0
+
+
+def test_a_lease_dropped_with_its_view_is_given_back(fake):
+    """array()'s pins keep a lease from the garbage collector while its
+    view may be in use; one the application dropped without release, view
+    and all, is found when next() would wait with every credit held, and
+    at a retire, and released as the collector would have (leaked, with a
+    warning). Not while the application still holds the view, or the lease."""
+    import warnings as w
+    f, c = connected(fake, credits=1)
+    l = offer_range(f, c, 1, first=True)
+    v = l.array(fake_from_dlpack, None)
+    wl = weakref.ref(l)
+    del l
+    gc.collect()
+    # The view is still held: the lease is not given back.
+    try:
+        c.next(timeout=0.3)
+    except cudashare.Timeout:
+        pass
+    assert wl() is not None and c.stats().get("leaked", 0) == 0
+    # Both dropped: the next wait gives it back.
+    del v
+    with w.catch_warnings(record=True) as got:
+        w.simplefilter("always")
+        try:
+            c.next(timeout=0.3)
+        except cudashare.Timeout:
+            pass
+    assert c.stats().get("leaked", 0) == 1 and any("dropped without release" in str(g.message) for g in got)
+    assert f.recv_until(4) == [4, [1]]
+    gc.collect()
+    assert wl() is None
+    # The lease held, its view dropped: kept.
+    l2 = offer_range(f, c, 2)
+    l2.array(fake_from_dlpack, None)
+    try:
+        c.next(timeout=0.3)
+    except cudashare.Timeout:
+        pass
+    assert not l2.released and c.stats().get("leaked", 0) == 1
+    # Dropped, then the producer retires the allocation: given back, and
+    # the retire answered.
+    del l2
+    gc.collect()
+    with w.catch_warnings(record=True):
+        w.simplefilter("always")
+        f.send([5, 1])
+        assert f.recv_until(4) == [4, [2]]
+        assert f.recv_until(6) == [6, 1]
+    assert c.stats()["leaked"] == 2
+    c.close(timeout=0.5)
+    gc.collect()
+    assert dlpack.live() == 0
+
+
+def test_a_view_does_not_keep_a_dead_consumer_alive(fake):
+    """After the producer vanished, a lease dropped without release and a
+    consumer dropped without close: the view's pin no longer holds the
+    lease, so the consumer is collected (and closes)."""
+    f, c = connected(fake)
+    l = offer_range(f, c, 1, first=True)
+    v = l.array(fake_from_dlpack, None)
+    f.conn.close()
+    try:
+        c.next(timeout=5)
+    except cudashare.ProducerGone:
+        pass
+    wc = weakref.ref(c)
+    c._reader.join(5)
+    del c, l
+    gc.collect()
+    assert wc() is None
+    del v
+    gc.collect()
+    assert dlpack.live() == 0

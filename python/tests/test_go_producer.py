@@ -307,7 +307,8 @@ def test_cli_connect_failures_are_reported(tmp_path, monkeypatch):
     Go consumer's exit status (internal/app/explain.go), not a traceback:
     a socket path through a file (ENOTDIR: 1), a listener that never
     answers the hello (the handshake's timeout, 5 s: 7, refused), one that
-    hangs up at once (4), an unknown driver (3)."""
+    hangs up mid-frame (4), one that answers garbage (4), one that refuses
+    this consumer (7)."""
     from cudashare import __main__ as m
     f = tmp_path / "file"
     f.write_text("")
@@ -315,36 +316,51 @@ def test_cli_connect_failures_are_reported(tmp_path, monkeypatch):
     ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     ls.bind(silent)
     ls.listen(1)  # connects land in the backlog; nobody ever answers
-    hangup = str(tmp_path / "hangup.sock")
-    hs = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    hs.bind(hangup)
-    hs.listen(8)
     stop = threading.Event()
+    threads = []
+    socks = []
 
-    def hang_up():
-        hs.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                conn, _ = hs.accept()
-            except OSError:
-                continue
-            conn.close()
-    t = threading.Thread(target=hang_up, daemon=True)
-    t.start()
+    def listener(name, answer):
+        """A listener that reads the hello and answers with answer (bytes,
+        then it hangs up)."""
+        path = str(tmp_path / name)
+        ls2 = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        ls2.bind(path)
+        ls2.listen(8)
+        socks.append(ls2)
+
+        def serve():
+            ls2.settimeout(0.2)
+            while not stop.is_set():
+                try:
+                    conn, _ = ls2.accept()
+                except OSError:
+                    continue
+                try:
+                    conn.settimeout(2)
+                    conn.recv(4096)
+                    conn.sendall(answer)
+                except OSError:
+                    pass
+                conn.close()
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        threads.append(t)
+        return path
     cases = [
-        (str(f / "cudashare.sock"), {}, m.EXIT_FAILURE, "Not a directory"),
-        (silent, {}, m.EXIT_REFUSED, "did not complete the cudashare handshake"),
-        (hangup, {}, m.EXIT_NO_PRODUCER, "hung up during the handshake"),
-        (silent, {"CUDASHARE_DRIVER": "bogus"}, m.EXIT_NO_DRIVER, "bogus"),
+        (str(f / "cudashare.sock"), m.EXIT_FAILURE, "Not a directory"),
+        (silent, m.EXIT_REFUSED, "did not complete the cudashare handshake"),
+        # Two bytes of a frame's length, then the end: hung up mid-handshake.
+        (listener("hangup.sock", b"\0\0"), m.EXIT_NO_PRODUCER, "hung up during the handshake"),
+        # A frame whose body is not msgpack (0xc1 is never used).
+        (listener("garbage.sock", b"\0\0\0\1\xc1"), m.EXIT_NO_PRODUCER, "is not a working cudashare producer"),
+        # The producer's own refusal (peer_refused, remote).
+        (listener("refuses.sock", b"\0\0\0\x06" + bytes([0x93, 0x09, 0x02, 0xa2]) + b"no"), m.EXIT_REFUSED, "no"),
     ]
     try:
-        for sock, env, code, says in cases:
-            if env:
-                # The driver is chosen after the handshake: a producer that
-                # answers it is needed, the fake one is enough.
-                continue
+        for sock, code, says in cases:
             r = subprocess.run([sys.executable, "-m", "cudashare", "consume", "--socket", sock],
-                               cwd=PY, capture_output=True, text=True, timeout=60, env=dict(os.environ, **env))
+                               cwd=PY, capture_output=True, text=True, timeout=60)
             rep = json.loads(r.stdout.strip().splitlines()[-1])
             assert r.returncode == code and rep["exit"] == code, (sock, r.returncode, rep, r.stderr[-2000:])
             assert says in rep["error"], rep
@@ -352,8 +368,10 @@ def test_cli_connect_failures_are_reported(tmp_path, monkeypatch):
     finally:
         stop.set()
         ls.close()
-        hs.close()
-        t.join(2)
+        for x in socks:
+            x.close()
+        for t in threads:
+            t.join(2)
 
 
 def test_cli_unknown_driver_exits_3(fake):
@@ -391,6 +409,46 @@ def test_listener_of_another_user_is_refused(fake):
         raise AssertionError("a listener of a user not allowed was accepted")
     t.join(5)
     assert len(got) == 2 and got[0][:2] == [9, 2] and "not allowed" in got[0][2] and got[1] is None, got
+
+
+def test_no_allowed_uids_means_this_user(fake):
+    """allowed_uids=[] is the default (this user), as the Go transport's
+    empty AllowedUIDs: not a consumer that refuses everyone."""
+    f = fake()
+    t = f.serve()
+    c = cudashare.connect(f.path, backend="sim", allowed_uids=[])
+    t.join(5)
+    assert f.hello[0] == 1
+    c.close(timeout=0.5)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to run the consumer as another user (uid 65534)")
+def test_cli_socket_of_another_user_exits_7(tmp_path):
+    """A socket in a directory this user may not enter (EACCES): refused,
+    exit 7, as the Go consumer."""
+    from cudashare import __main__ as m
+    d = tempfile.mkdtemp(prefix="cudashare-eacces-")
+    os.chmod(d, 0o700)
+    path = os.path.join(d, "s")
+    ls = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    ls.bind(path)
+    ls.listen(1)
+    try:
+        def drop():
+            os.setgid(65534)
+            os.setuid(65534)
+        env = dict(os.environ, PYTHONPATH=PY, HOME="/tmp")
+        if subprocess.run([sys.executable, "-c", "import cudashare"], cwd="/", env=env, preexec_fn=drop,
+                          capture_output=True, timeout=60).returncode != 0:
+            pytest.skip("uid 65534 cannot read this checkout's python package")
+        r = subprocess.run([sys.executable, "-m", "cudashare", "consume", "--socket", path], cwd=PY,
+                           capture_output=True, text=True, timeout=60, preexec_fn=drop, env=env)
+        rep = json.loads(r.stdout.strip().splitlines()[-1])
+        assert r.returncode == m.EXIT_REFUSED and rep["end"] == "refused" and "same user" in rep["error"], (rep, r.stderr)
+    finally:
+        ls.close()
+        os.unlink(path)
+        os.rmdir(d)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to listen as another user (uid 65534)")
