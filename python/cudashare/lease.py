@@ -349,6 +349,23 @@ def address_of(v):
     return None
 
 
+def _refs(o):
+    return sys.getrefcount(o)
+
+
+def _calibrate():
+    o = _Pin(None, None)  # held by o, here,
+    keep = [o]            # and by keep: two holders
+    n = _refs(o) - 2
+    del keep
+    return n
+
+
+# What _refs counts beyond an object's holders (its argument, the frame):
+# measured, not assumed, as interpreters differ (3.14 borrows references).
+_EXTRA = _calibrate()
+
+
 def orphans(outstanding):
     """The leases among outstanding (seq -> weakref) that nothing but
     their pins references, and whose cached views nothing but the cache
@@ -361,14 +378,23 @@ def orphans(outstanding):
         if l is None or l._pins is None or l.released:
             continue
         ps = l._pins if type(l._pins) is list else (l._pins,)
-        # Held by: each of its pins, l here, getrefcount's argument.
-        if sys.getrefcount(l) > len(ps) + 2:
+        # Held by each of its pins and by l here: anyone else is a user.
+        if _refs(l) - _EXTRA > len(ps) + 1:
             continue
         views = l._a.views
-        # Each view held by: its cache entry, getrefcount's argument.
-        if views is not None and all(
-                p.key in views and views[p.key][1] is p and sys.getrefcount(views[p.key][0]) <= 2 for p in ps):
+        if views is None:
+            continue
+        for p in ps:
+            ent = views.get(p.key)
+            if ent is None or ent[1] is not p:
+                break
+            v = ent[0]
+            # Held by its cache entry and by v here.
+            if _refs(v) - _EXTRA > 2:
+                break
+        else:
             out.append(l)
+        v = ent = None
     return out
 
 
