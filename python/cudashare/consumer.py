@@ -33,7 +33,7 @@ import weakref
 from . import backends, ring, wire, errors
 from .errors import Closed, CudashareError, ProducerGone, ProtocolError, Timeout
 from .reader import BG_POLL, TICK, Reader
-from .releases import Releases
+from .releases import REAP_EVERY, Releases
 
 log = logging.getLogger("cudashare")
 
@@ -208,6 +208,7 @@ class Consumer(Reader, Releases):
         self._n_msgs = 0
         self._n_ordered = 0
         self._n_views = 0        # Lease.array's cached views, over every allocation
+        self._reap_t = 0.0       # the last look for leases lost with their views (Releases._reap_orphans)
         # The shared-memory rings (ring.py), once the handshake agreed on
         # them: frames go through _out, and the socket only carries
         # doorbells (_bell_left: bytes of one not yet written), errors and
@@ -511,10 +512,15 @@ class Consumer(Reader, Releases):
                     if left <= 0:
                         raise Timeout("no offer within %.3gs" % timeout)
                 # About to wait: what this consumer gave back leaves now,
-                # and with every credit held, a lease the application lost
-                # with its array() view is given back (Releases._reap_orphans).
-                if self._n_views and len(self._outstanding) >= self._window:
-                    self._reap_orphans()
+                # and a lease the application lost with its array() view
+                # is given back (Releases._reap_orphans): at once with every
+                # credit held, else at most every REAP_EVERY (a producer
+                # may lend fewer buffers than the credits).
+                if self._n_views and self._outstanding:
+                    now = time.monotonic()
+                    if len(self._outstanding) >= self._window or now - self._reap_t >= REAP_EVERY:
+                        self._reap_t = now
+                        self._reap_orphans()
                 self._push_locked()
                 self._user_t = time.monotonic()
             # The socket is free: read it here, in the caller's thread.

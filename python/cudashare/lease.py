@@ -186,8 +186,11 @@ class Lease(wire.Offer):
         between array() and release(), as every view; until the release it
         keeps the lease alive, as a tensor of __dlpack__ does. A lease
         dropped without release together with its view is given back (and
-        counted leaked, with a warning) when next() would wait with every
-        credit held, or when its allocation is retired. The next
+        counted leaked, with a warning) when next() waits, or when its
+        allocation is retired; "its view" counts what refers to the view's
+        Python object, which a slice of it does in torch 2.11 (checked) but
+        may not in older torch: there, hold the lease or the view while a
+        slice is in use (releasing the lease is the contract anyway). The next
         lease of the range gets the same object: change it only through new
         views (x.view(...), x[...]), not in place (shape, dtype,
         requires_grad). An object that is not at the lease's address (a
@@ -235,8 +238,9 @@ class Lease(wire.Offer):
         if ps is None:
             self._pins = pin
         elif type(ps) is list:
-            ps.append(pin)
-        else:
+            if not any(p is pin for p in ps):
+                ps.append(pin)
+        elif ps is not pin:
             self._pins = [ps, pin]
 
     def _new_view(self, convert, key, stream):
@@ -377,9 +381,14 @@ def orphans(outstanding):
         l = ref()
         if l is None or l._pins is None or l.released:
             continue
-        ps = l._pins if type(l._pins) is list else (l._pins,)
-        # Held by each of its pins and by l here: anyone else is a user.
-        if _refs(l) - _EXTRA > len(ps) + 1:
+        # Its pins that still name it (another lease of the same range may
+        # have taken one since), each once.
+        ps = []
+        for p in (l._pins if type(l._pins) is list else (l._pins,)):
+            if p.lease is l and not any(q is p for q in ps):
+                ps.append(p)
+        # Held by each of those and by l here: anyone else is a user.
+        if not ps or _refs(l) - _EXTRA > len(ps) + 1:
             continue
         views = l._a.views
         if views is None:

@@ -11,7 +11,7 @@ import weakref
 
 from . import wire, errors
 from .errors import Closed, CudashareError, ProducerGone, ProtocolError
-from .lease import Lease, unpin
+from .lease import Lease
 
 import logging
 
@@ -159,13 +159,15 @@ class Reader:
                     for l in self._queue:
                         l.released = True
                     self._queue.clear()
-                    # Nor do array()'s pins keep leases (and through them
-                    # this consumer) alive: nothing can be given back now.
-                    for ref in self._outstanding.values():
-                        l = ref()
-                        if l is not None and l._pins is not None:
-                            ps, l._pins = l._pins, None
-                            unpin(l, ps)
+                    # Nor does array()'s cache keep views alive any longer:
+                    # a view the application still holds keeps its lease,
+                    # and through it this consumer and its mappings, as a
+                    # __dlpack__ tensor does; one it dropped goes, and the
+                    # consumer with it once nothing else holds it.
+                    for a in self._allocs.values():
+                        if a.views:
+                            self._n_views -= len(a.views)
+                        a.views = None
             self._wake()
 
     def _wake(self):

@@ -13,6 +13,7 @@ from .lease import orphans, unpin
 log = logging.getLogger("cudashare")
 
 MAX_RELEASE_STREAMS = 64   # streams with their own release event
+REAP_EVERY = 0.01          # how often a waiting next() looks for leases lost with their views, credits to spare
 
 
 class Releases:
@@ -95,12 +96,17 @@ class Releases:
         released as the collector would have: counted leaked, with a
         warning. The caller holds _lock."""
         for l in orphans(self._outstanding):
-            warnings.warn("cudashare: lease %d was dropped without release (its array() view too); released now"
-                          % l.seq, ResourceWarning, stacklevel=2)
-            self._leaked(l)
+            self._leaked(l, "was dropped without release (its array() view too)")
+            try:
+                # As Lease.__del__'s: never an exception here (warnings made
+                # errors would end a next(), or the reader at a retire).
+                warnings.warn("cudashare: lease %d was dropped without release (its array() view too); released "
+                              "now" % l.seq, ResourceWarning, stacklevel=1)
+            except Exception:
+                pass
 
-    def _leaked(self, lease):
+    def _leaked(self, lease, how="was garbage-collected without release"):
         with self._lock:
             self._stats["leaked"] += 1
-        log.warning("cudashare: lease %d was garbage-collected without release; releasing it", lease.seq)
+        log.warning("cudashare: lease %d %s; releasing it", lease.seq, how)
         self._release(lease, None)

@@ -492,12 +492,14 @@ def test_a_lease_dropped_with_its_view_is_given_back(fake):
     assert dlpack.live() == 0
 
 
-def test_a_view_does_not_keep_a_dead_consumer_alive(fake):
-    """After the producer vanished, a lease dropped without release and a
-    consumer dropped without close: the view's pin no longer holds the
-    lease, so the consumer is collected (and closes)."""
+def test_after_a_bad_end_views_keep_what_they_need_and_no_more(fake):
+    """After the producer vanished, a consumer dropped without close() and
+    a lease dropped without release: a view the application still holds
+    keeps its lease, the consumer and the mapping (its memory stays
+    readable, as with a __dlpack__ tensor); once it drops the view too,
+    the consumer is collected, closes, and every slot returns."""
     f, c = connected(fake)
-    l = offer_range(f, c, 1, first=True)
+    l = offer_range(f, c, 1, first=True, fill=7)
     v = l.array(fake_from_dlpack, None)
     f.conn.close()
     try:
@@ -508,7 +510,55 @@ def test_a_view_does_not_keep_a_dead_consumer_alive(fake):
     c._reader.join(5)
     del c, l
     gc.collect()
-    assert wc() is None
+    assert wc() is not None and ctypes.string_at(v.data, 4) == b"\x07" * 4
     del v
     gc.collect()
+    assert wc() is None
+    gc.collect()
     assert dlpack.live() == 0
+
+
+def test_stale_and_duplicate_pins_do_not_loosen_the_check(fake):
+    """Two leases of one range out at once (PROTOCOL.md does not forbid
+    it): the second takes the view's pin. The first, still held by the
+    application (in a dict), is not taken for dropped; nor is a lease
+    that asked for its view twice."""
+    f, c = connected(fake, credits=2)
+    l1 = offer_range(f, c, 1, first=True)
+    v = l1.array(fake_from_dlpack, None)
+    v2 = l1.array(other_from_dlpack, None)
+    f.offer(2, size=4096, offset=8192, kind=1, meta={"batch": 2})
+    l2 = c.next(timeout=5)
+    assert l2.array(fake_from_dlpack, None) is v
+    assert l1.array(fake_from_dlpack, None) is v  # back to l1: its pin once, not twice
+    assert type(l1._pins) is list and len(l1._pins) == 2
+    held = {1: l1, 2: l2}
+    del l1, l2, v, v2
+    gc.collect()
+    with c._lock:
+        c._reap_orphans()
+    assert c.stats().get("leaked", 0) == 0 and not held[1].released and not held[2].released
+    held[1].release()
+    held[2].release()
+    c.close(timeout=0.5)
+
+
+def test_a_lost_lease_is_given_back_with_credits_to_spare(fake):
+    """A producer may lend fewer buffers than the credits (a small ring,
+    -max-leases, broadcast, several consumers): the look for lost leases
+    does not wait for every credit to be held."""
+    import warnings as w
+    f, c = connected(fake, credits=4)
+    l = offer_range(f, c, 1, first=True)
+    l.array(fake_from_dlpack, None)
+    del l
+    gc.collect()
+    with w.catch_warnings(record=True):
+        w.simplefilter("always")
+        try:
+            c.next(timeout=0.3)
+        except cudashare.Timeout:
+            pass
+    assert c.stats().get("leaked", 0) == 1
+    assert f.recv_until(4) == [4, [1]]
+    c.close(timeout=0.5)
