@@ -203,8 +203,13 @@ def main():
     rep["handoffs"] = n
     rep["mappings"] = st.get("mappings", 0)
     rep["ordered_releases"] = st.get("ordered_releases")
+    # This loop releases every lease: one the consumer gave back as lost
+    # (Releases._reap_orphans) would be its mistake, and a race.
+    rep["leaked"] = st.get("leaked", 0)
     if use_array:
         rep["tensors"] = len(tensors)
+    if rep["leaked"]:
+        rep.update(error="%d leases given back as lost, which this loop released itself" % rep["leaked"], exit=1)
     if a.work == "sum":
         ok = got == want_sum
         rep["check"] = "sum of the first %d bytes of every batch: %d, want %d" % (K, got, want_sum)
