@@ -9,6 +9,8 @@ import os
 import tracemalloc
 import weakref
 
+import pytest
+
 import cudashare
 from cudashare import dlpack
 from fakeproducer import sim_memfd
@@ -388,12 +390,8 @@ def test_array_orders_the_named_stream_once_per_lease(fake):
 def test_array_of_a_released_lease_and_a_capsule_taken_twice(fake):
     f, c, l = lease_of(fake)
     l.release()
-    try:
+    with pytest.raises(cudashare.Closed):
         l.array(fake_from_dlpack, None)
-    except cudashare.Closed:
-        pass
-    else:
-        raise AssertionError("no Closed")
 
     def twice(obj):
         obj.__dlpack__()
@@ -401,12 +399,8 @@ def test_array_of_a_released_lease_and_a_capsule_taken_twice(fake):
 
     f.offer(2, size=4096, offset=8192, kind=1, meta={"batch": 2})
     l2 = c.next(timeout=5)
-    try:
+    with pytest.raises(BufferError):
         l2.array(twice, None)
-    except BufferError:
-        pass
-    else:
-        raise AssertionError("no BufferError")
     gc.collect()
     assert dlpack.live() == 0
     l2.release()
@@ -427,12 +421,8 @@ def test_leases_refuse_views_after_a_bad_end_and_close(fake):
     c.close(timeout=0.5)
     assert l.released
     for use in (lambda: l.ptr, lambda: l.array(fake_from_dlpack, None), l.__dlpack__):
-        try:
+        with pytest.raises(cudashare.Closed):  # no view of an unmapped lease
             use()
-        except cudashare.Closed:
-            pass
-        else:
-            raise AssertionError("a view of an unmapped lease")
     l.release()  # idempotent, no error
     gc.collect()
     assert dlpack.live() == 0
