@@ -1,13 +1,9 @@
 """A lease: one offer this consumer holds until it releases it."""
 
-import sys
 import warnings
 
-from . import backends, dlpack, meta, wire
+from . import backends, dlpack, meta, views, wire
 from .errors import Closed, NotSupported
-
-MAX_VIEWS = 64          # framework views that array() keeps per allocation (ranges x dtypes x shapes x converters)
-MAX_VIEWS_TOTAL = 1024  # and per consumer, over all its allocations
 
 
 class Lease(wire.Offer):
@@ -197,8 +193,8 @@ class Lease(wire.Offer):
         converter that copies, or one whose address this package cannot
         read) is never reused: each call then makes a new one. The consumer
         drops its views when the allocation is retired or the consumer
-        closes; it keeps at most MAX_VIEWS per allocation and
-        MAX_VIEWS_TOTAL in all (beyond that each call makes a new one)."""
+        closes; it keeps at most views.MAX_VIEWS per allocation and
+        views.MAX_VIEWS_TOTAL in all (beyond that each call makes a new one)."""
         if self.released:
             self._check()
         m = self.meta
@@ -206,8 +202,8 @@ class Lease(wire.Offer):
             key = (convert, self.offset, self.size)
         else:
             key = (convert, self.offset, self.size) + meta.view_of(m, self.size)
-        views = self._a.views
-        ent = None if views is None else views.get(key)
+        cache = self._a.views
+        ent = None if cache is None else cache.get(key)
         if ent is None:
             return self._new_view(convert, key, stream)
         if ent[1].lease is not self:
@@ -256,22 +252,22 @@ class Lease(wire.Offer):
         self._order(stream)
         c = self._c
         dt, did = c._backend.dl_device
-        pin = _Pin(self, key)
-        v = convert(_Capsule(dlpack.capsule(p, shape, meta.DTYPES[dtype][2], dt, did, pin), (dt, did), self))
-        if address_of(v) != p:
+        pin = views.Pin(self, key)
+        v = convert(views.Capsule(dlpack.capsule(p, shape, meta.DTYPES[dtype][2], dt, did, pin), (dt, did), self))
+        if views.address_of(v) != p:
             return v  # a copy, or unknown: never reused; its pin keeps this lease for as long as it lives
         with c._lock:
-            views = self._a.views
-            if views is None:
+            cache = self._a.views
+            if cache is None:
                 return v
-            have = views.get(key)
+            have = cache.get(key)
             if have is not None:
                 # Another thread made this one first: one view per key.
                 if have[1].lease is not self:
                     self._pin(have[1])
                 return have[0]
-            if len(views) < MAX_VIEWS and c._n_views < MAX_VIEWS_TOTAL and not self.released:
-                views[key] = (v, pin)
+            if len(cache) < views.MAX_VIEWS and c._n_views < views.MAX_VIEWS_TOTAL and not self.released:
+                cache[key] = (v, pin)
                 c._n_views += 1
                 self._pin(pin)  # registered, so that the release unpins
         return v
@@ -313,120 +309,3 @@ class Lease(wire.Offer):
             getattr(self, "seq", "?"), getattr(self, "alloc_id", "?"), getattr(self, "size", "?"),
             " released" if getattr(self, "released", True) else "")
 
-
-class _Pin:
-    """What the DLPack slot of array()'s view keeps alive: the lease the
-    view was last handed to, until that lease's release (a cached view), or
-    for as long as the view lives (one not cached, as __dlpack__'s). key:
-    the view's in its allocation's cache."""
-
-    __slots__ = ("lease", "key")
-
-    def __init__(self, lease, key):
-        self.lease = lease
-        self.key = key
-
-
-def unpin(lease, pins):
-    """Undoes Lease._pin for every pin of a released lease."""
-    if type(pins) is list:
-        for p in pins:
-            if p.lease is lease:
-                p.lease = None
-    elif pins.lease is lease:
-        pins.lease = None
-
-
-def address_of(v):
-    """The address of a framework's array, or None if it does not say:
-    torch's data_ptr(), the CUDA array interface (CuPy, Numba), the array
-    interface (NumPy)."""
-    try:
-        return int(v.data_ptr())
-    except Exception:
-        pass
-    for name in ("__cuda_array_interface__", "__array_interface__"):
-        try:
-            return int(getattr(v, name)["data"][0])
-        except Exception:
-            pass
-    return None
-
-
-def _refs(o):
-    return sys.getrefcount(o)
-
-
-def _calibrate():
-    o = _Pin(None, None)  # held by o, here,
-    keep = [o]            # and by keep: two holders
-    n = _refs(o) - 2
-    del keep
-    return n
-
-
-# What _refs counts beyond an object's holders (its argument, the frame):
-# measured, not assumed, as interpreters differ (3.14 borrows references).
-_EXTRA = _calibrate()
-
-
-def orphans(outstanding):
-    """The leases among outstanding (seq -> weakref) that nothing but
-    their pins references, and whose cached views nothing but the cache
-    does: leases the application dropped without release, which the
-    garbage collector cannot reach (the pins are held by DLPack slots, a
-    module global). The caller holds the consumer's lock."""
-    out = []
-    for ref in list(outstanding.values()):
-        l = ref()
-        if l is None or l._pins is None or l.released:
-            continue
-        # Its pins that still name it (another lease of the same range may
-        # have taken one since), each once.
-        ps = []
-        for p in (l._pins if type(l._pins) is list else (l._pins,)):
-            if p.lease is l and not any(q is p for q in ps):
-                ps.append(p)
-        # Held by each of those and by l here: anyone else is a user.
-        if not ps or _refs(l) - _EXTRA > len(ps) + 1:
-            continue
-        views = l._a.views
-        if views is None:
-            continue
-        for p in ps:
-            ent = views.get(p.key)
-            if ent is None or ent[1] is not p:
-                break
-            v = ent[0]
-            # Held by its cache entry and by v here.
-            if _refs(v) - _EXTRA > 2:
-                break
-        else:
-            out.append(l)
-        v = ent = None
-    return out
-
-
-class _Capsule:
-    """One capsule, handed to a framework's from_dlpack by the DLPack
-    protocol (torch, CuPy and JAX take an object with __dlpack__, not all
-    a bare capsule). The stream the framework names waits on the producer's
-    event too, as Lease.__dlpack__'s does."""
-
-    __slots__ = ("_cap", "_dev", "_lease")
-
-    def __init__(self, cap, dev, lease):
-        self._cap = cap
-        self._dev = dev
-        self._lease = lease
-
-    def __dlpack__(self, stream=None, **_kw):
-        cap, self._cap = self._cap, None
-        if cap is None:
-            raise BufferError("cudashare: this capsule was taken already")
-        if stream is not None:
-            self._lease._order(stream)
-        return cap
-
-    def __dlpack_device__(self):
-        return self._dev

@@ -35,7 +35,7 @@ class _Alloc:
         self.retired = False
         self.rel_events = set()
         self.closed = False
-        self.views = {}  # Lease.array's: (convert, offset, size[, dtype, shape]) -> (the framework's view, its _Pin)
+        self.views = {}  # Lease.array's: (convert, offset, size[, dtype, shape]) -> (the framework's view, its views.Pin)
 
 
 class Reader:

@@ -8,7 +8,7 @@ import time
 import warnings
 
 from . import backends, wire
-from .lease import orphans, unpin
+from .views import orphans, unpin
 
 log = logging.getLogger("cudashare")
 

@@ -295,11 +295,11 @@ def test_array_cache_is_bounded(fake, monkeypatch):
     converter per call) cannot grow the cache past MAX_VIEWS per
     allocation, nor past MAX_VIEWS_TOTAL in all; past them each call makes
     a view that keeps its lease alive, as __dlpack__'s do."""
-    from cudashare import lease as lease_mod
-    monkeypatch.setattr(lease_mod, "MAX_VIEWS_TOTAL", lease_mod.MAX_VIEWS + 2)
+    from cudashare import views as views_mod
+    monkeypatch.setattr(views_mod, "MAX_VIEWS_TOTAL", views_mod.MAX_VIEWS + 2)
     f, c = connected(fake, credits=1)
     base = dlpack.live()
-    n = lease_mod.MAX_VIEWS + 3
+    n = views_mod.MAX_VIEWS + 3
     held = []
     seq = 0
     for alloc in (1, 2):
@@ -314,20 +314,20 @@ def test_array_cache_is_bounded(fake, monkeypatch):
             l = c.next(timeout=5)
             v = l.array(fake_from_dlpack, None)
             assert v.data == l.ptr
-            cached = i < lease_mod.MAX_VIEWS if alloc == 1 else i < 2
+            cached = i < views_mod.MAX_VIEWS if alloc == 1 else i < 2
             assert (l.array(fake_from_dlpack, None) is v) == cached
             if not cached:
                 held.append((weakref.ref(l), v))
             l.release()
             assert f.recv_until(4) == [4, [seq]]  # read, as a producer does (a socket holds only so many)
             del l
-    assert c._n_views == lease_mod.MAX_VIEWS_TOTAL
+    assert c._n_views == views_mod.MAX_VIEWS_TOTAL
     gc.collect()
     assert all(w() is not None for w, _ in held)  # the views not cached keep their leases
-    assert dlpack.live() == base + lease_mod.MAX_VIEWS_TOTAL + len(held)
+    assert dlpack.live() == base + views_mod.MAX_VIEWS_TOTAL + len(held)
     del held, v
     gc.collect()
-    assert dlpack.live() == base + lease_mod.MAX_VIEWS_TOTAL
+    assert dlpack.live() == base + views_mod.MAX_VIEWS_TOTAL
     c.close(timeout=0.5)
     gc.collect()
     assert dlpack.live() == base
