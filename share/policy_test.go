@@ -470,42 +470,35 @@ func TestShutdownTimeoutSaysGoodbye(t *testing.T) {
 // time-sliced there, and the consumer's queued work ran before the
 // producer's refill.
 func TestStreamOrderedRelease(t *testing.T) {
-	for _, tc := range []struct {
-		name   string
-		device int
-	}{{"same", 0}, {"other", 1}} {
-		t.Run(tc.name, func(t *testing.T) {
-			env := sharetest.Setup(t)
-			env.NeedDevices(t, tc.device+1)
-			mem := env.FreeMemory(t)
-			defer env.CheckMemory(t, mem)
-			path := sharetest.SocketPath(t)
-			p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamStream, 1),
-				sharetest.EnvParam(sharetest.ParamCount, 300), sharetest.EnvParam(sharetest.ParamRing, 4))
-			p.Expect("LISTENING")
-			c := sharetest.Start(t, "consumer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamStream, 1),
-				sharetest.EnvParam(sharetest.ParamAfter, 1), sharetest.EnvParam(sharetest.ParamDevice, tc.device))
-			var prep sharetest.ProducerReport
-			p.Report(&prep)
-			p.Wait()
-			var rep sharetest.ConsumerReport
-			c.Report(&rep)
-			c.Wait()
-			checkConsumer(t, &rep, 300)
-			if s := prep.Stats; s.Offers != 300 || s.OrderedReleases != 300 || s.Releases != 300 || s.Allocations != 0 {
-				t.Errorf("producer stats %+v, want 300 offers, each released stream-ordered", s)
-			}
-			// Each side opens the other's events once: the consumer's one
-			// stream records one release event; the producer records one
-			// event per buffer of its ring of 4.
-			if n := prep.Stats.ReleaseEventsOpened; n != 1 {
-				t.Errorf("the producer opened %d release events, want 1 (the consumer's one stream's)", n)
-			}
-			if n := rep.Stats.EventsOpened; n < 1 || n > 4 {
-				t.Errorf("the consumer opened %d of the producer's events, want 1 to 4 (one per buffer of the ring)", n)
-			}
-		})
-	}
+	eachDevice(t, func(t *testing.T, env *sharetest.Env, device int) {
+		mem := env.FreeMemory(t)
+		defer env.CheckMemory(t, mem)
+		path := sharetest.SocketPath(t)
+		p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamStream, 1),
+			sharetest.EnvParam(sharetest.ParamCount, 300), sharetest.EnvParam(sharetest.ParamRing, 4))
+		p.Expect("LISTENING")
+		c := sharetest.Start(t, "consumer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamStream, 1),
+			sharetest.EnvParam(sharetest.ParamAfter, 1), sharetest.EnvParam(sharetest.ParamDevice, device))
+		var prep sharetest.ProducerReport
+		p.Report(&prep)
+		p.Wait()
+		var rep sharetest.ConsumerReport
+		c.Report(&rep)
+		c.Wait()
+		checkConsumer(t, &rep, 300)
+		if s := prep.Stats; s.Offers != 300 || s.OrderedReleases != 300 || s.Releases != 300 || s.Allocations != 0 {
+			t.Errorf("producer stats %+v, want 300 offers, each released stream-ordered", s)
+		}
+		// Each side opens the other's events once: the consumer's one
+		// stream records one release event; the producer records one
+		// event per buffer of its ring of 4.
+		if n := prep.Stats.ReleaseEventsOpened; n != 1 {
+			t.Errorf("the producer opened %d release events, want 1 (the consumer's one stream's)", n)
+		}
+		if n := rep.Stats.EventsOpened; n < 1 || n > 4 {
+			t.Errorf("the consumer opened %d of the producer's events, want 1 to 4 (one per buffer of the ring)", n)
+		}
+	})
 }
 
 // TestOfferRefusesReturnedRingBuffer: a ring buffer that went back to its

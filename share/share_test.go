@@ -563,10 +563,10 @@ func TestArenaBuffersNotReused(t *testing.T) {
 	}
 }
 
-// TestDevices runs the ring with interprocess events and streams, the
-// consumer on the producer's device and on the other device (which needs
-// peer access, enabled lazily by the open).
-func TestDevices(t *testing.T) {
+// eachDevice runs fn as subtests with the consumer on the producer's
+// device ("same", 0) and on the other one ("other", 1: skipped without a
+// second device).
+func eachDevice(t *testing.T, fn func(t *testing.T, env *sharetest.Env, device int)) {
 	for _, tc := range []struct {
 		name   string
 		device int
@@ -574,44 +574,53 @@ func TestDevices(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			env := sharetest.Setup(t)
 			env.NeedDevices(t, tc.device+1)
-			e := newExporter(t, env)
-			c := startConsumer(t, e, sharetest.EnvParam(sharetest.ParamDevice, tc.device), sharetest.EnvParam(sharetest.ParamStream, 1))
-			ctx := sharetest.Ctx(t)
-			if err := e.WaitConsumers(ctx, 1); err != nil {
-				t.Fatal(err)
-			}
-			// Blocking: ordered after Fill's NULL-stream copies (see sharetest).
-			s, err := env.Ctx.NewStream(false)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer s.Close()
-			r, err := e.NewRing(3, 1<<16)
-			if err != nil {
-				t.Fatal(err)
-			}
-			for i := range 50 {
-				b, err := r.Acquire(ctx)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), uint64(i)); err != nil {
-					t.Fatal(err)
-				}
-				if err := e.Offer(ctx, b, share.OfferOptions{Meta: sharetest.Meta(uint64(i)), Stream: s}); err != nil {
-					t.Fatal(err)
-				}
-			}
-			shutdown(t, e)
-			var rep sharetest.ConsumerReport
-			c.Report(&rep)
-			c.Wait()
-			checkConsumer(t, &rep, 50)
-			if rep.Registry.Opens != 1 {
-				t.Errorf("consumer opened the ring %d times, want once", rep.Registry.Opens)
-			}
+			fn(t, env, tc.device)
 		})
 	}
+}
+
+// TestDevices runs the ring with interprocess events and streams, the
+// consumer on the producer's device and on the other device (which needs
+// peer access, enabled lazily by the open).
+func TestDevices(t *testing.T) {
+	eachDevice(t, func(t *testing.T, env *sharetest.Env, device int) {
+		e := newExporter(t, env)
+		c := startConsumer(t, e, sharetest.EnvParam(sharetest.ParamDevice, device), sharetest.EnvParam(sharetest.ParamStream, 1))
+		ctx := sharetest.Ctx(t)
+		if err := e.WaitConsumers(ctx, 1); err != nil {
+			t.Fatal(err)
+		}
+		// Blocking: ordered after Fill's NULL-stream copies (see sharetest).
+		s, err := env.Ctx.NewStream(false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		r, err := e.NewRing(3, 1<<16)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range 50 {
+			b, err := r.Acquire(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), uint64(i)); err != nil {
+				t.Fatal(err)
+			}
+			if err := e.Offer(ctx, b, share.OfferOptions{Meta: sharetest.Meta(uint64(i)), Stream: s}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		shutdown(t, e)
+		var rep sharetest.ConsumerReport
+		c.Report(&rep)
+		c.Wait()
+		checkConsumer(t, &rep, 50)
+		if rep.Registry.Opens != 1 {
+			t.Errorf("consumer opened the ring %d times, want once", rep.Registry.Opens)
+		}
+	})
 }
 
 // TestConsumerDisconnectedAlive proves that a consumer whose connection
