@@ -84,9 +84,9 @@ def _check_sim_memfd(fd, alloc_size):
 
 
 class SimBackend:
-    """The simulator's representation (driver/internal/sim/doc.go, "VMM
-    allocations"): a posix_fd allocation is a memfd with a 4096-byte header
-    and then the memory, which any process maps MAP_SHARED. Legacy IPC
+    """The simulator's representation (PROTOCOL.md §4.1.1): a posix_fd
+    allocation is a sealed memfd with a 4096-byte header and then the
+    memory, which any process maps MAP_SHARED. Legacy IPC
     handles name state only the Go simulator reads: such leases work as far
     as the protocol goes, and their data raises NotSupported."""
 

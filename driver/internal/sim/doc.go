@@ -85,7 +85,9 @@
 // A VMM allocation is a memfd (memfd_create, named
 // "cudashare-sim-vmm-<global id>"), not a file in the state directory. Its
 // layout is the simulator's representation of device memory, stable for
-// other readers (a Python consumer maps it with mmap):
+// other readers (a Python consumer maps it with mmap); PROTOCOL.md section
+// 4.1.1 is its normative description for peers, kept in step by
+// TestVMMLayoutDocumented:
 //
 //	offset 0, one 4096-byte header page, little-endian:
 //	[0:8]   "CSIMVMM1"

@@ -264,3 +264,70 @@ func TestVMMImportRefusesUnsafe(t *testing.T) {
 		}
 	}
 }
+
+// TestVMMLayoutDocumented: PROTOCOL.md section 4.1.1, from which a peer in
+// another language maps the simulator's allocations, says where each field
+// of the header is, and the seals a receiver checks, as the sim has them.
+func TestVMMLayoutDocumented(t *testing.T) {
+	b, err := os.ReadFile("../../../PROTOCOL.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, sec, found := strings.Cut(string(b), "\n### 4.1.1 ")
+	if !found {
+		t.Fatal("PROTOCOL.md has no section 4.1.1 on the simulator's posix_fd allocations")
+	}
+	sec, _, _ = strings.Cut(sec, "\n### ")
+	type row struct{ off, n int }
+	var rows []row
+	for _, l := range strings.Split(sec, "\n") {
+		var r row
+		if _, err := fmt.Sscanf(l, "| %d |", &r.off); err == nil {
+			fmt.Sscanf(l, "| %d | %d |", &r.off, &r.n) // the memory's row has `size`
+			rows = append(rows, r)
+		}
+	}
+	d := newDriver(t, Config{})
+	h := vmmHeader{dev: 1, size: 2 << 20, gid: 3, slot: 4, handleTypes: api.MemHandleTypePosixFileDescriptor,
+		creator: procID{pid: 5, inst: 6, start: 7}}
+	enc := d.encodeVMMHeader(h)
+	le := func(off, n int) uint64 {
+		var v uint64
+		for i := n - 1; i >= 0; i-- {
+			v = v<<8 | uint64(enc[off+i])
+		}
+		return v
+	}
+	// The rows in order, each with the value the encoder put there.
+	want := []struct {
+		off, n int
+		val    uint64
+	}{
+		{0, 8, le(0, 8)}, {8, 4, vmmVersion}, {12, 4, 1}, {16, 8, 2 << 20}, {24, 8, 3}, {32, 4, 4},
+		{36, 4, uint64(api.MemHandleTypePosixFileDescriptor)}, {40, 4, 5}, {44, 4, 6}, {48, 8, 7},
+		{vmmSumOffset, 8, d.vmmSum(&enc)}, {64, vmmHeaderSize - 64, 0}, {vmmHeaderSize, 0, 0},
+	}
+	if len(rows) != len(want) {
+		t.Fatalf("section 4.1.1 has %d rows of offsets, want %d: %v", len(rows), len(want), rows)
+	}
+	for i, w := range want {
+		if rows[i].off != w.off || (w.n != 0 && rows[i].n != w.n) {
+			t.Errorf("row %d: offset %d, %d bytes; the sim has offset %d, %d bytes", i, rows[i].off, rows[i].n, w.off, w.n)
+			continue
+		}
+		if w.n != 0 && w.n <= 8 && le(w.off, w.n) != w.val {
+			t.Errorf("row %d: the sim has %#x at offset %d, want %#x", i, le(w.off, w.n), w.off, w.val)
+		}
+	}
+	if string(enc[:8]) != vmmMagic || !strings.Contains(sec, "`"+vmmMagic+"`") {
+		t.Errorf("the magic %q is not the page's", enc[:8])
+	}
+	for _, s := range []struct {
+		name string
+		val  int
+	}{{"F_SEAL_SHRINK", unix.F_SEAL_SHRINK}, {"F_SEAL_GROW", unix.F_SEAL_GROW}, {"F_SEAL_WRITE", unix.F_SEAL_WRITE}, {"F_SEAL_FUTURE_WRITE", unix.F_SEAL_FUTURE_WRITE}} {
+		if !strings.Contains(sec, fmt.Sprintf("`%s` (%d)", s.name, s.val)) {
+			t.Errorf("section 4.1.1 does not give %s as %d", s.name, s.val)
+		}
+	}
+}
