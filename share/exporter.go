@@ -168,6 +168,11 @@ type allocRec struct {
 	vmm    *vmmMem // the producer's handle and mapping, for HandleFD
 	ring   *Ring
 	arena  *Arena
+	// offers counts the offers of the allocation, whatever its buffer:
+	// each one's generation, so that a range lent again, an arena's
+	// offset reused by a fresh buffer included, gets a larger one
+	// (PROTOCOL.md section 4, offer). Exporter.mu.
+	offers uint64
 
 	state   recState
 	sending int                    // offers between reservation and queueing
