@@ -79,3 +79,52 @@ func TestConsumerErrorLogged(t *testing.T) {
 		t.Errorf("ConsumersDropped %d: the consumer left by itself", st.ConsumersDropped)
 	}
 }
+
+// TestUnopenableReleaseEvent: a release whose event the producer cannot
+// open is malformed (code 3), as PROTOCOL.md section 4 (release) says: the
+// producer could not honour the order it asks for. The consumer is told so
+// and dropped.
+func TestUnopenableReleaseEvent(t *testing.T) {
+	env := sharetest.Setup(t)
+	ctx := sharetest.Ctx(t)
+	e := newExporterWith(t, env, share.ExporterConfig{})
+	defer e.Close() // before the leak check dialIn arms
+	r, err := e.NewRing(1, 256)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := dialIn(t, e, 1, false)
+	defer conn.Close()
+	b, err := r.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Offer(ctx, b, share.OfferOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	var m transport.Message
+	if err := conn.Recv(ctx, &m); err != nil || m.Kind != transport.KindOffer {
+		t.Fatalf("Recv: %v, %v; want an offer", err, m.Kind)
+	}
+	for _, fd := range m.Offer.FDs {
+		unix.Close(fd)
+	}
+	var bogus transport.Handle
+	for i := range bogus {
+		bogus[i] = byte(i*7 + 1) // no event's handle
+	}
+	if err := conn.SendReleaseAfter(ctx, bogus, m.Offer.Seq); err != nil {
+		t.Fatal(err)
+	}
+	for err == nil {
+		err = conn.Recv(ctx, &m)
+	}
+	var remote *transport.RemoteError
+	if !errors.As(err, &remote) || remote.Code != 3 || !errors.Is(err, transport.ErrMalformed) {
+		t.Fatalf("after a release with an event that cannot be opened: %v; want the producer's error code 3 (malformed)", err)
+	}
+	if !strings.Contains(remote.Message, "release event") {
+		t.Errorf("the error does not say what was wrong: %q", remote.Message)
+	}
+	waitUntil(t, "the consumer dropped", func() bool { return e.Stats().ConsumersDropped == 1 })
+}
