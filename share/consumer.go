@@ -48,6 +48,7 @@ type consumer struct {
 	events      map[transport.Handle]*consEvent // its release events, opened once
 	active      bool                            // in the rotation
 	saidBye     bool                            // it said goodbye: everything it held is void
+	byeReason   string                          // what its goodbye said
 	sentBye     bool                            // we said goodbye after retiring everything
 	ended       bool                            // its connection has ended
 	handedOn    bool                            // it passed to other processes, which are watched

@@ -364,7 +364,7 @@ func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64, _ *ma
 	c.addOut(1)
 	b.leases++
 	b.sending++
-	b.offers++
+	b.rec.offers++
 	b.rec.sending++
 	e.stats.Leases++
 	m := c.allocs[b.rec]
@@ -375,7 +375,7 @@ func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64, _ *ma
 	}
 	m.leases++
 	m.bytes += b.size
-	return uint64(s.gen)<<32 | uint64(idx), b.offers, m
+	return uint64(s.gen)<<32 | uint64(idx), b.rec.offers, m
 }
 
 // send records the event if asked, and queues the offer. onConn reports
