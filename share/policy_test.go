@@ -638,18 +638,34 @@ func TestInvalidOfferOnFailedConnection(t *testing.T) {
 // those that have: the holders never hold more than half the ring, and
 // the good consumer is served throughout, before and after each deadline.
 //
+// With MaxLeasesPerConsumer 2 the good consumer, at its cap, loses to
+// the crowd only buffers it could not take: the crowd holds at most the
+// ring less 2, and the producer never stops.
+//
 // The test runs the lease deadline itself (ExpireLeases) once the good
 // consumer holds nothing, so that it drops only the holders; without a
 // fix, the offers stop once the crowd holds the ring, and the watchdog
 // fails the test.
 func TestCrowdCannotStarveAGoodConsumer(t *testing.T) {
+	for _, tc := range []struct {
+		name            string
+		maxLeases, most int // the producer's cap; the most the crowd may hold
+	}{
+		{"credits", 0, 8 / 2},
+		{"max-leases", 2, 8 - 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) { testCrowd(t, tc.maxLeases, tc.most) })
+	}
+}
+
+func testCrowd(t *testing.T, maxLeases, most int) {
 	const ring, holders, rounds, perRound = 8, 16, 3, 40
 	env := sharetest.Setup(t)
 	mem := env.FreeMemory(t)
 	defer env.CheckMemory(t, mem)
 	// VMM: a dropped holder's buffers are replaced at once, as with the
 	// default producer. The deadline is the test's to run.
-	e := newExporterWith(t, env, share.ExporterConfig{Sharing: share.SharingVMM, LeaseTimeout: -1})
+	e := newExporterWith(t, env, share.ExporterConfig{Sharing: share.SharingVMM, LeaseTimeout: -1, MaxLeasesPerConsumer: maxLeases})
 	good := startConsumer(t, e)
 	ctx := sharetest.Ctx(t)
 	if err := e.WaitConsumers(ctx, 1); err != nil {
@@ -703,8 +719,8 @@ func TestCrowdCannotStarveAGoodConsumer(t *testing.T) {
 		// What is leased now is the crowd's.
 		st := e.Stats()
 		held := int(st.Leases)
-		if held > ring/2 {
-			t.Errorf("round %d: the crowd holds %d of the ring's %d buffers, want at most half", round, held, ring)
+		if held > most {
+			t.Errorf("round %d: the crowd holds %d of the ring's %d buffers, want at most %d", round, held, ring, most)
 		}
 		t.Logf("round %d: the crowd holds %d buffers; the good consumer got %d of %d batches", round, held,
 			perRound-(held-int(before.Leases)), perRound)
