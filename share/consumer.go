@@ -55,6 +55,7 @@ type consumer struct {
 	unwatchable bool                            // it passed to processes that cannot be watched
 	kicked      bool                            // the exporter dropped it for cause
 	lagging     bool                            // it missed a broadcast, and has not had room since
+	released    bool                            // it has released a lease: no newcomer (pickLocked)
 	dropped     bool                            // forgotten: nothing it held counts
 	abandoned   int                             // VMM buffers given up to it when it was lost
 
@@ -120,16 +121,29 @@ type voidedOffer struct {
 	vmm bool
 }
 
-// addOut changes the count of c's outstanding leases, and its process's.
-// mu held.
+// addOut changes the count of c's outstanding leases, and its process's
+// and, while it takes offers, its class's (Exporter.newcomerOut). mu held.
 func (c *consumer) addOut(d int) {
 	c.out = uint64(int64(c.out) + int64(d))
+	if c.active {
+		*c.classOut() += d
+	}
 	if c.proc != nil {
 		c.proc.leases += d
 		if c.ended {
 			c.proc.lost += d
 		}
 	}
+}
+
+// classOut is the exporter's count of the leases held by the consumers
+// taking offers of c's class: newcomers, or those that have released.
+// mu held.
+func (c *consumer) classOut() *int {
+	if c.released {
+		return &c.e.releasedOut
+	}
+	return &c.e.newcomerOut
 }
 
 // loadLocked is what Offer compares to pick a consumer, lowest first:
@@ -268,6 +282,14 @@ func (e *Exporter) onRelease(c *consumer, seqs []uint64, after *consEvent) error
 			return fmt.Errorf("%w: release of offer %d, which it does not hold (never sent, or released already)",
 				transport.ErrUnexpectedMessage, seq)
 		}
+		if !c.released {
+			// Its first release: its leases count with the others' now.
+			if c.active {
+				e.newcomerOut -= int(c.out)
+				e.releasedOut += int(c.out)
+			}
+			c.released = true
+		}
 		s := &c.slots[idx]
 		b := s.b
 		s.b = nil
@@ -376,6 +398,7 @@ func (e *Exporter) deactivateLocked(c *consumer) {
 	if !c.active {
 		return
 	}
+	*c.classOut() -= int(c.out)
 	c.active = false
 	if i := slices.Index(e.consumers, c); i >= 0 {
 		e.consumers = slices.Delete(e.consumers, i, i+1)

@@ -143,6 +143,11 @@ type Exporter struct {
 	handling    *consumer               // whose message is being handled, by its connection's reader
 	changed     chan struct{}           // closed on any other change waiters watch
 	stats       ExporterStats
+
+	// The leases held by consumers taking offers that have released none
+	// yet (newcomers), and by those that have: pickLocked keeps newcomers
+	// from taking what the others could use (consumer.released). mu.
+	newcomerOut, releasedOut int
 }
 
 // recState is the life of an allocation record.

@@ -140,7 +140,8 @@ func exportHandle(ce *ChildEnv) error {
 }
 
 // rawConsumer is a consumer on the bare transport, which can do what the
-// Importer never does. It takes ParamHold offers (1), mapping the first
+// Importer never does. With ParamCredits credits (the transport's default
+// if unset), it takes ParamHold offers (1), mapping the first
 // one's allocation (and checking its bytes), prints HELD n, then obeys
 // lines on stdin: "closed" sends closed for that allocation, unasked;
 // "bogus-release" releases a sequence number it was never sent;
@@ -155,6 +156,9 @@ func rawConsumer(ce *ChildEnv) error {
 	cfg := transport.DefaultConfig(transport.RoleConsumer)
 	cfg.Devices = []transport.UUID{ce.Ctx.Device().UUID()}
 	cfg.AcceptFDs = true
+	if n := Param(ParamCredits, 0); n > 0 {
+		cfg.Credits = uint32(n)
+	}
 	before := socketFDs()
 	conn, err := transport.Dial(ctx, os.Getenv(ParamPath), cfg)
 	if err != nil {
