@@ -168,3 +168,64 @@ func TestRingBadHeadTold(t *testing.T) {
 		})
 	}
 }
+
+// TestRingDoorbellStorm: a consumer that rings the doorbell without
+// writing anything into its ring, over and over, is dropped with
+// ErrMalformed and told so, instead of costing the producer's reader a
+// wake-up per doorbell for as long as it likes. A doorbell answers the
+// reader's sleep (PROTOCOL.md section 2.3): a peer that keeps the rules
+// never sends more than the reader slept; the tests of two Conns, which
+// sleep and ring all the time (TestRingOneCredit, TestRingAsleep), check
+// that it never trips on one.
+func TestRingDoorbellStorm(t *testing.T) {
+	checkNoFDLeak(t)
+	pcfg, ccfg := ringConfigs(t)
+	prod, cons := pair(t, pcfg, ccfg)
+	exchange(t, prod, cons, 10)
+	stop, stopped := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(stopped)
+		bells := make([]byte, 4096) // 1024 doorbells
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			if _, err := cons.nc.Write(bells); err != nil {
+				return // the producer hung up
+			}
+		}
+	}()
+	// A watchdog, not a timing: a reader that takes doorbells without end
+	// never gets back to its ctx, and only Close ends its Recv.
+	errc := make(chan error, 1)
+	go func() {
+		// Releases of the exchange may come first.
+		var m Message
+		for {
+			if err := prod.Recv(testCtx(t), &m); err != nil {
+				errc <- err
+				return
+			}
+		}
+	}()
+	var err error
+	select {
+	case err = <-errc:
+	case <-time.After(10 * time.Second):
+		close(stop)
+		prod.Close()
+		<-errc
+		<-stopped
+		t.Fatal("the producer's Recv still takes doorbells after 10s")
+	}
+	close(stop)
+	<-stopped
+	if !errors.Is(err, ErrMalformed) {
+		t.Fatalf("the producer's Recv under a storm of doorbells: %v, want ErrMalformed", err)
+	}
+	if err := recvUntilError(t, cons); !errors.Is(err, ErrRemote) || !errors.Is(err, ErrMalformed) {
+		t.Fatalf("the consumer got %v, want the producer's error message: malformed", err)
+	}
+}

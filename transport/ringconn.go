@@ -59,6 +59,7 @@ func (c *Conn) fillRing(ctx context.Context, avail int) error {
 			}
 		}
 		c.ring.in.sleep()
+		c.sleeps++
 		if c.ring.in.ready() {
 			c.ring.in.wake()
 			continue
@@ -136,9 +137,20 @@ func (c *Conn) roomInSocketBuf() {
 	}
 }
 
+// bellSlack is how many doorbells beyond the count of socketFrames a peer
+// may send. A peer that keeps the rules never needs it (the count is
+// exact: a writer rings only after its compare-and-swap of the sleeping
+// word from 1 to 0 succeeds, so once per sleep of this reader at most,
+// and once more to carry descriptors); it is a margin for a peer that
+// rings a few times too often, which costs little. What it bounds is the
+// peer that rings without end and makes this side wake up for nothing
+// (one rang 610 million times in 6 s, a whole core of the producer's).
+const bellSlack = 64
+
 // socketFrames takes the whole frames in sbuf: doorbells, which only woke
 // the reader, and an error message, which ends the connection. Anything
-// else has no business on the socket of a ring connection.
+// else has no business on the socket of a ring connection, and neither
+// have more doorbells than the reader slept (bellSlack).
 func (c *Conn) socketFrames() error {
 	for {
 		avail := c.sw - c.sr
@@ -148,6 +160,9 @@ func (c *Conn) socketFrames() error {
 		n := int(binary.BigEndian.Uint32(c.sbuf[c.sr:]))
 		if n == 0 {
 			c.sr += headerSize
+			if c.bells++; c.bells > c.sleeps+c.carriers+bellSlack {
+				return malformed("%d doorbells on the socket of a ring connection whose reader slept %d times and took %d sets of descriptors: a doorbell answers a sleep", c.bells, c.sleeps, c.carriers)
+			}
 			continue
 		}
 		if n > sockFrameMax {
