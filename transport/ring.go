@@ -85,18 +85,20 @@ func newRingSeg() (*ringSeg, int, error) {
 // openRingSeg maps the segment a listener sent, as a dialer does, after
 // checking what a listener could get wrong to hurt it: its size, and seals
 // without which the listener could shrink it under the mapping and make
-// every later access fault.
+// every later access fault. The seals first, the size after: a listener
+// that shrank the segment after a look at its size, and sealed it then,
+// would pass both; once it is sealed, the size read is the size mapped.
 func openRingSeg(fd int) (*ringSeg, error) {
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil || seals&(unix.F_SEAL_SHRINK|unix.F_SEAL_GROW) != unix.F_SEAL_SHRINK|unix.F_SEAL_GROW {
+		return nil, malformed("the ring segment is not sealed against shrinking and growing (seals %#x, %v)", seals, err)
+	}
 	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
+	if err := ringSegFstat(fd, &st); err != nil {
 		return nil, fmt.Errorf("%w: the ring segment: fstat: %w", ErrHandshake, err)
 	}
 	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size != ringSegSize {
 		return nil, malformed("the ring segment: mode %#o, %d bytes, want a regular file of %d", st.Mode, st.Size, ringSegSize)
-	}
-	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
-	if err != nil || seals&(unix.F_SEAL_SHRINK|unix.F_SEAL_GROW) != unix.F_SEAL_SHRINK|unix.F_SEAL_GROW {
-		return nil, malformed("the ring segment is not sealed against shrinking and growing (seals %#x, %v)", seals, err)
 	}
 	seg, err := mapRing(fd, true)
 	if err != nil {
@@ -104,6 +106,10 @@ func openRingSeg(fd int) (*ringSeg, error) {
 	}
 	return seg, nil
 }
+
+// ringSegFstat is unix.Fstat; a test stands in for a listener that
+// resizes the segment right after the dialer's fstat.
+var ringSegFstat = unix.Fstat
 
 func mapRing(fd int, dialer bool) (*ringSeg, error) {
 	mem, err := unix.Mmap(fd, 0, ringSegSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)

@@ -558,3 +558,42 @@ func TestRingStalledPeerTold(t *testing.T) {
 		t.Fatalf("the consumer read %d of the %d offers sent before the error", got-1, sent)
 	}
 }
+
+// TestRingSegmentShrunkBetweenChecks: a listener that sends an unsealed
+// segment of the right size, shrinks it to nothing just after the
+// dialer's fstat, and then seals it, passes a check of the size followed
+// by one of the seals: the dialer would map a segment with no pages, and
+// die of SIGBUS at its first access. The seals must be checked first:
+// once the segment cannot shrink, the size read next is the size mapped.
+func TestRingSegmentShrunkBetweenChecks(t *testing.T) {
+	checkNoFDLeak(t)
+	fd, err := unix.MemfdCreate("cudashare-test", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Close(fd)
+	if err := unix.Ftruncate(fd, ringSegSize); err != nil {
+		t.Fatal(err)
+	}
+	fstat := ringSegFstat
+	t.Cleanup(func() { ringSegFstat = fstat })
+	ringSegFstat = func(fd int, st *unix.Stat_t) error {
+		err := fstat(fd, st)
+		// The hostile listener, between the dialer's two looks.
+		if _, serr := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0); serr == nil {
+			unix.Ftruncate(fd, 0)
+			unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, ringSeals)
+		}
+		return err
+	}
+	seg, err := openRingSeg(fd)
+	if seg != nil {
+		var st unix.Stat_t
+		unix.Fstat(fd, &st)
+		seg.unmap() // untouched: every access would fault
+		t.Fatalf("the dialer mapped a segment that now has %d bytes (err %v): its first access dies of SIGBUS", st.Size, err)
+	}
+	if !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), "sealed") {
+		t.Fatalf("openRingSeg: %v, want a refusal for the seals", err)
+	}
+}

@@ -115,22 +115,25 @@ class Segment:
         """Checks fd as PROTOCOL.md 2.3 says (a regular file of exactly
         SEG_SIZE bytes, sealed against shrinking and growing: else the
         producer could shrink it under the mapping and make every access
-        fault) and maps it; the caller closes fd."""
+        fault) and maps it; the caller closes fd. The seals first, the
+        size after: a producer that shrank the segment after a look at its
+        size, and sealed it then, would pass both; once it is sealed, the
+        size read is the size mapped."""
         self.base = None
         at = _load()
         if at is None:
             raise ProtocolError(errors.INTERNAL, "the ring segment arrived, but this process has no atomics: %s" % _reason)
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as e:
+            raise _malformed("the ring segment is not sealed against shrinking and growing (F_GET_SEALS: %s)", e)
+        want = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+        if seals & want != want:
+            raise _malformed("the ring segment is not sealed against shrinking and growing (seals %#x)", seals)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != SEG_SIZE:
             raise _malformed("the ring segment: mode %o, %d bytes, want a regular file of %d",
                              st.st_mode, st.st_size, SEG_SIZE)
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError as e:
-            raise _malformed("the ring segment's seals: %s", e)
-        want = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-        if seals & want != want:
-            raise _malformed("the ring segment is not sealed against shrinking and growing (seals %#x)", seals)
         libc = _libc()
         p = libc.mmap(None, SEG_SIZE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
         if p is None or p == ctypes.c_void_p(-1).value:

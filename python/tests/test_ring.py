@@ -489,3 +489,39 @@ def test_failed_write_leaves_the_producers_error_to_the_reader(fake, rings):
         c.next(timeout=2)
     assert ei.value.remote and ei.value.code == E.TIMEOUT
     c.close(timeout=0.2)
+
+
+def test_segment_shrunk_between_checks(monkeypatch):
+    """A producer that sends an unsealed segment of the right size, shrinks
+    it to nothing just after the consumer's fstat and then seals it, passes
+    a look at the size followed by one at the seals: the consumer would map
+    a segment with no pages and die of SIGBUS at its first access. The
+    seals come first: once sealed, the size read is the size mapped."""
+    fd = os.memfd_create("cudashare-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, ring.SEG_SIZE)
+        real = os
+
+        class HostileOS:
+            """os, whose fstat lets the producer act right after it."""
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def fstat(self, f):
+                st = real.fstat(f)
+                if f == fd:
+                    real.ftruncate(fd, 0)
+                    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+                return st
+
+        monkeypatch.setattr(ring, "os", HostileOS())
+        try:
+            seg = ring.Segment(fd)
+        except cudashare.ProtocolError as e:
+            assert e.code == E.MALFORMED and "sealed" in str(e), e
+        else:
+            size = real.fstat(fd).st_size
+            seg.close()  # untouched: every access would fault
+            pytest.fail("the consumer mapped a segment that now has %d bytes: its first access dies of SIGBUS" % size)
+    finally:
+        os.close(fd)
