@@ -59,13 +59,6 @@ type consumer struct {
 
 	done chan struct{} // closed when its connection has ended
 
-	// The reading of its connection (consreader.go): whoever holds rd's
-	// token reads it, into msg, and sets readDone at its end. rd counts
-	// the Acquires that wait on it.
-	rd       handover
-	msg      transport.Message
-	readDone bool
-
 	// sendMu orders the offers of VMM allocations to it, so that the one
 	// carrying an allocation's fd reaches it first (sendFD).
 	sendMu sync.Mutex
@@ -209,7 +202,6 @@ func (e *Exporter) acceptLoop() {
 			// Fixed for the connection: read without the lock.
 			noEvents: peer.PID == 0,
 		}
-		c.rd.init(conn.Interrupt)
 		e.mu.Lock()
 		if e.closing {
 			e.mu.Unlock()
@@ -221,14 +213,14 @@ func (e *Exporter) acceptLoop() {
 		e.watchLocked(c, int(peer.PID))
 		e.conns[c] = struct{}{}
 		e.consumers = append(e.consumers, c)
-		e.soleLocked()
 		c.active = true
+		// The reader takes it in on its next pass.
+		e.joining = append(e.joining, c)
+		e.joined.Add(1)
 		e.notifyLocked(&e.changed)
 		e.notifyLocked(&e.creditWait)
 		e.mu.Unlock()
 		e.log.Info("share: consumer connected", "peer", peer.String(), "credits", c.window)
-		e.wg.Add(1)
-		go c.readLoop()
 	}
 }
 
@@ -258,8 +250,6 @@ func (e *Exporter) kick(c *consumer, why error) {
 func (e *Exporter) onRelease(c *consumer, seqs []uint64, after *consEvent) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	e.handling = c
-	defer func() { e.handling = nil }()
 	defer e.notifyLocked(&e.creditWait)
 	for _, seq := range seqs {
 		idx := uint32(seq)
@@ -378,7 +368,6 @@ func (e *Exporter) deactivateLocked(c *consumer) {
 	c.active = false
 	if i := slices.Index(e.consumers, c); i >= 0 {
 		e.consumers = slices.Delete(e.consumers, i, i+1)
-		e.soleLocked()
 		if e.rr > i {
 			e.rr--
 		}

@@ -157,7 +157,7 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 			break
 		}
 		// Credit, a new consumer and a lost one all wake creditWait.
-		if err := e.waitLocked(ctx, &e.creditWait); err != nil {
+		if err := e.waitReadingLocked(ctx, &e.creditWait); err != nil {
 			return 0, err
 		}
 	}
@@ -232,7 +232,7 @@ func (e *Exporter) roomLocked(ctx context.Context, c *consumer, b *Buffer, deadl
 			*deadline = time.Now().Add(BroadcastGrace)
 		}
 		wctx, cancel := context.WithDeadline(ctx, *deadline)
-		err := e.waitLocked(wctx, &e.creditWait)
+		err := e.waitReadingLocked(wctx, &e.creditWait)
 		cancel()
 		switch {
 		case ctx.Err() != nil:
