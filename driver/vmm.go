@@ -202,6 +202,11 @@ func (c *Context) ImportFD(fd int, size uint64) (*Allocation, error) {
 	defer c.exit()
 	var h api.MemHandle
 	if err := check(c.a.MemImportFromShareableHandle(&h, uintptr(fd), api.MemHandleTypePosixFileDescriptor), "cuMemImportFromShareableHandle"); err != nil {
+		if ex, ok := c.a.(api.ImportExplainer); ok {
+			if why := ex.ExplainImport(uintptr(fd), api.MemHandleTypePosixFileDescriptor); why != nil {
+				return nil, fmt.Errorf("import fd %d on %s: %w: %v", fd, c.dev, err, why)
+			}
+		}
 		return nil, fmt.Errorf("import fd %d on %s: %w", fd, c.dev, err)
 	}
 	return &Allocation{ctx: c, h: h, size: size, imported: true}, nil

@@ -29,7 +29,6 @@ type Buffer struct {
 	// Guarded by Exporter.mu.
 	leases      int
 	sending     int // offers or a broadcast in flight
-	offers      uint64
 	ev          *expEvent
 	held        bool // ring: acquired by the producer
 	offered     bool // ring: offered since it was acquired

@@ -48,12 +48,14 @@ type consumer struct {
 	events      map[transport.Handle]*consEvent // its release events, opened once
 	active      bool                            // in the rotation
 	saidBye     bool                            // it said goodbye: everything it held is void
+	byeReason   string                          // what its goodbye said
 	sentBye     bool                            // we said goodbye after retiring everything
 	ended       bool                            // its connection has ended
 	handedOn    bool                            // it passed to other processes, which are watched
 	unwatchable bool                            // it passed to processes that cannot be watched
 	kicked      bool                            // the exporter dropped it for cause
 	lagging     bool                            // it missed a broadcast, and has not had room since
+	released    bool                            // it has released a lease: no newcomer (pickLocked)
 	dropped     bool                            // forgotten: nothing it held counts
 	abandoned   int                             // VMM buffers given up to it when it was lost
 
@@ -112,16 +114,29 @@ type voidedOffer struct {
 	vmm bool
 }
 
-// addOut changes the count of c's outstanding leases, and its process's.
-// mu held.
+// addOut changes the count of c's outstanding leases, and its process's
+// and, while it takes offers, its class's (Exporter.newcomerOut). mu held.
 func (c *consumer) addOut(d int) {
 	c.out = uint64(int64(c.out) + int64(d))
+	if c.active {
+		*c.classOut() += d
+	}
 	if c.proc != nil {
 		c.proc.leases += d
 		if c.ended {
 			c.proc.lost += d
 		}
 	}
+}
+
+// classOut is the exporter's count of the leases held by the consumers
+// taking offers of c's class: newcomers, or those that have released.
+// mu held.
+func (c *consumer) classOut() *int {
+	if c.released {
+		return &c.e.releasedOut
+	}
+	return &c.e.newcomerOut
 }
 
 // loadLocked is what Offer compares to pick a consumer, lowest first:
@@ -257,6 +272,14 @@ func (e *Exporter) onRelease(c *consumer, seqs []uint64, after *consEvent) error
 			return fmt.Errorf("%w: release of offer %d, which it does not hold (never sent, or released already)",
 				transport.ErrUnexpectedMessage, seq)
 		}
+		if !c.released {
+			// Its first release: its leases count with the others' now.
+			if c.active {
+				e.newcomerOut -= int(c.out)
+				e.releasedOut += int(c.out)
+			}
+			c.released = true
+		}
 		s := &c.slots[idx]
 		b := s.b
 		s.b = nil
@@ -365,6 +388,7 @@ func (e *Exporter) deactivateLocked(c *consumer) {
 	if !c.active {
 		return
 	}
+	*c.classOut() -= int(c.out)
 	c.active = false
 	if i := slices.Index(e.consumers, c); i >= 0 {
 		e.consumers = slices.Delete(e.consumers, i, i+1)

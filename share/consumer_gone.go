@@ -26,6 +26,18 @@ func (e *Exporter) onGone(c *consumer, err error) {
 		c.proc.lost += int(c.out)
 	}
 	clean := c.saidBye || c.sentBye
+	var remote *transport.RemoteError
+	if errors.As(err, &remote) {
+		// The consumer's own word on why it leaves (PROTOCOL.md section
+		// 4.1 tells one that cannot import an allocation to send code
+		// 10): the operator's only clue. One per connection, as fast as
+		// consumers connect: the limited logger.
+		e.stats.ConsumersFailed++
+		e.peerLog.Warn("share: consumer left with an error", "peer", c.peer.String(),
+			"code", remote.Code, "error", remote.Message, "leases", c.out)
+	} else if c.saidBye {
+		e.peerLog.Debug("share: consumer said goodbye", "peer", c.peer.String(), "reason", c.byeReason)
+	}
 	if !clean && e.life.Err() == nil {
 		e.stats.ConsumersLost++
 		if !c.kicked && droppedByTransport(err) {

@@ -28,28 +28,33 @@ func (e *Exporter) leaseJanitor(timeout time.Duration) {
 		case <-e.life.Done():
 			return
 		}
-		var stuck []*consumer
-		var why []error
 		e.mu.Lock()
 		e.epoch++
-		for c := range e.conns {
-			if c.ended || c.kicked {
-				continue
-			}
-			for i := range c.slots {
-				s := &c.slots[i]
-				if s.b != nil && s.sent && e.epoch-s.epoch > leaseTicks {
-					stuck = append(stuck, c)
-					why = append(why, fmt.Errorf("%w: it held a lease (allocation %d, %d bytes at offset %d) longer than the producer's lease timeout of %v",
-						transport.ErrTimeout, s.b.rec.id, s.b.size, s.b.off, timeout))
-					break
-				}
-			}
-		}
+		stuck, why := e.overdueLocked(timeout)
 		e.warnPinnedLocked(time.Now())
 		e.mu.Unlock()
 		for i, c := range stuck {
 			e.kick(c, why[i])
 		}
 	}
+}
+
+// overdueLocked returns the consumers that hold a lease past the timeout
+// by the lease clock, each with the reason to drop it. mu held.
+func (e *Exporter) overdueLocked(timeout time.Duration) (stuck []*consumer, why []error) {
+	for c := range e.conns {
+		if c.ended || c.kicked {
+			continue
+		}
+		for i := range c.slots {
+			s := &c.slots[i]
+			if s.b != nil && s.sent && e.epoch-s.epoch > leaseTicks {
+				stuck = append(stuck, c)
+				why = append(why, fmt.Errorf("%w: it held a lease (allocation %d, %d bytes at offset %d) longer than the producer's lease timeout of %v",
+					transport.ErrTimeout, s.b.rec.id, s.b.size, s.b.off, timeout))
+				break
+			}
+		}
+	}
+	return stuck, why
 }

@@ -108,7 +108,10 @@
 //     ExporterStats counts both cases.
 //   - Offer picks the consumer holding the fewest leases among those with
 //     a credit (and below MaxLeasesPerConsumer), so a stalled consumer
-//     holds no more than its share. Broadcast gives a consumer that
+//     holds no more than its share; consumers that have released nothing
+//     yet hold together no more than those that have, so a crowd of
+//     connections that never release cannot take the buffers of a
+//     consumer at work (PROTOCOL.md, section 6.1). Broadcast gives a consumer that
 //     cannot take a buffer a short grace; then it misses buffers until it
 //     has room again, and the others go on (see Broadcast).
 //   - A consumer holding a lease longer than LeaseTimeout is dropped with

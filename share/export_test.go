@@ -5,6 +5,8 @@ package share
 import (
 	"context"
 	"errors"
+	"fmt"
+	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
 	"github.com/seed743c36cf/cudashare/transport"
@@ -90,4 +92,55 @@ func TransportDropThenKick(e *Exporter, transportWhy, kickWhy error) bool {
 func LendToConsumerLostDuringSend(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool) (lent bool, err error) {
 	lent, _, err = lendLosing(ctx, e, b, opts, delivered, nil)
 	return lent, err
+}
+
+// ExpireLeases runs the lease deadline as if the lease timeout had passed
+// for every lease held now: each consumer holding a lease is dropped, as
+// the lease janitor drops it. It returns how many were. A test can then
+// make the deadline pass at a point of its choosing, with LeaseTimeout
+// off, instead of waiting for it.
+func ExpireLeases(e *Exporter, timeout time.Duration) int {
+	e.mu.Lock()
+	e.epoch += leaseTicks + 1
+	stuck, why := e.overdueLocked(timeout)
+	e.mu.Unlock()
+	for i, c := range stuck {
+		e.kick(c, why[i])
+	}
+	return len(stuck)
+}
+
+// LeasesOf returns the leases held by the consumers of process pid that
+// take offers, so that a test can tell one consumer's from the others'.
+func LeasesOf(e *Exporter, pid int) int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	n := 0
+	for _, c := range e.consumers {
+		if int(c.peer.PID) == pid {
+			n += int(c.out)
+		}
+	}
+	return n
+}
+
+// CheckLeaseCounts reports whether the exporter's counts of the leases
+// held by newcomers and by consumers that have released agree with its
+// consumers' own counts.
+func CheckLeaseCounts(e *Exporter) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	var nc, rel int
+	for _, c := range e.consumers {
+		if c.released {
+			rel += int(c.out)
+		} else {
+			nc += int(c.out)
+		}
+	}
+	if nc != e.newcomerOut || rel != e.releasedOut {
+		return fmt.Errorf("the exporter counts %d leases held by newcomers and %d by consumers that have released; its consumers hold %d and %d",
+			e.newcomerOut, e.releasedOut, nc, rel)
+	}
+	return nil
 }

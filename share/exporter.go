@@ -75,6 +75,10 @@ type ExporterStats struct {
 	// LeaseTimeout, half a frame held past the frame timeout, or messages
 	// left unread past WriteTimeout.
 	ConsumersDropped uint64
+	// ConsumersFailed counts consumers that ended their connection with an
+	// error message of their own (such as code 10 for an allocation they
+	// could not import): the log says who, the code and their text.
+	ConsumersFailed uint64
 	// BroadcastMissed counts consumers a Broadcast skipped because their
 	// backlog was full (see Broadcast).
 	BroadcastMissed uint64
@@ -102,6 +106,10 @@ type Exporter struct {
 	dev  transport.UUID
 	ln   *transport.Listener
 	log  *slog.Logger
+	// peerLog is log limited against a flood of consumers (the
+	// listener's): for what each connection may write once, as fast as
+	// consumers connect.
+	peerLog *slog.Logger
 
 	sharing    Sharing // SharingIPC or SharingVMM
 	sharingWhy string
@@ -147,6 +155,11 @@ type Exporter struct {
 	creditWait  chan struct{}           // closed when a credit may have come free; made by a waiter
 	changed     chan struct{}           // closed on any other change waiters watch
 	stats       ExporterStats
+
+	// The leases held by consumers taking offers that have released none
+	// yet (newcomers), and by those that have: pickLocked keeps newcomers
+	// from taking what the others could use (consumer.released). mu.
+	newcomerOut, releasedOut int
 }
 
 // recState is the life of an allocation record.
@@ -172,6 +185,11 @@ type allocRec struct {
 	vmm    *vmmMem // the producer's handle and mapping, for HandleFD
 	ring   *Ring
 	arena  *Arena
+	// offers counts the offers of the allocation, whatever its buffer:
+	// each one's generation, so that a range lent again, an arena's
+	// offset reused by a fresh buffer included, gets a larger one
+	// (PROTOCOL.md section 4, offer). Exporter.mu.
+	offers uint64
 
 	state   recState
 	sending int                    // offers between reservation and queueing
@@ -245,6 +263,7 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 		ln:      ln,
 		poll:    poll,
 		log:     log,
+		peerLog: ln.PeerLogger(),
 		done:    make(chan struct{}),
 		conns:   make(map[*consumer]struct{}),
 		allocs:  make(map[uint64]*allocRec),

@@ -244,6 +244,7 @@ func (e *Exporter) onMessage(c *consumer, m *transport.Message) error {
 	case transport.KindGoodbye:
 		e.mu.Lock()
 		c.saidBye = true
+		c.byeReason = m.Reason
 		e.deactivateLocked(c)
 		e.mu.Unlock()
 		return io.EOF // nothing comes after it

@@ -144,7 +144,8 @@ func (l *Lease) Meta() []byte { return l.meta }
 // Seq is the producer's name for this lease on this connection.
 func (l *Lease) Seq() uint64 { return l.seq }
 
-// Generation is the producer's count of offers of this buffer.
+// Generation is the producer's count of offers of the buffer's allocation,
+// this one included: a later lend of the same range has a larger one.
 func (l *Lease) Generation() uint64 { return l.gen }
 
 // Release gives the buffer back to the producer. If the producer has

@@ -313,12 +313,25 @@ func (e *Exporter) offerableLocked(b *Buffer) error {
 // connection (loadLocked), ties going round-robin. So a consumer that
 // stops releasing stops being picked once it holds more than the others,
 // and can never hold much more than its share of what is lent.
+//
+// A newcomer (a consumer that has released nothing yet) is passed over
+// while the newcomers together hold as many leases as the consumers that
+// have released, or more (at least one: newcomers may always hold one),
+// unless no consumer that has released can take the lease. Holding
+// nothing, a newcomer would otherwise beat a consumer that is releasing
+// at every pick: a crowd of connections that take a buffer each and never
+// release would take every buffer a releasing consumer returns. So the
+// crowd holds at most about half of what is lent, a releasing consumer is
+// served throughout, and a newcomer still gets its first lease as soon as
+// the others hold more than the newcomers (a consumer merely slow to
+// start is not starved). The passing over never makes Offer wait: a
+// lease that only newcomers can take goes to one of them.
 func (e *Exporter) pickLocked() *consumer {
 	n := len(e.consumers)
-	var best *consumer
-	var bestLost bool
-	var bestLoad uint64
-	at := 0
+	// best: the pick; spare: the best newcomer passed over, taken when no
+	// other can take the lease.
+	var best, spare pick
+	newcomers := e.newcomerOut < max(e.releasedOut, 1)
 	for i := range n {
 		j := e.rr + i
 		if j >= n {
@@ -328,22 +341,43 @@ func (e *Exporter) pickLocked() *consumer {
 		if c.out >= e.capLocked(c) {
 			continue
 		}
-		lost, load := c.loadLocked()
-		if best != nil && (lost && !bestLost || lost == bestLost && load >= bestLoad) {
+		if !c.released && !newcomers {
+			spare.consider(c, j)
 			continue
 		}
-		best, at, bestLost, bestLoad = c, j, lost, load
-		if !lost && load == 0 {
+		if best.consider(c, j) && !best.lost && best.load == 0 {
 			break
 		}
 	}
-	if best != nil {
-		e.rr = at + 1
+	if best.c == nil {
+		best = spare
+	}
+	if best.c != nil {
+		e.rr = best.at + 1
 		if e.rr == n {
 			e.rr = 0
 		}
 	}
-	return best
+	return best.c
+}
+
+// pick is pickLocked's best candidate so far.
+type pick struct {
+	c    *consumer
+	at   int // its index in Exporter.consumers
+	lost bool
+	load uint64
+}
+
+// consider takes c, at index at, if it comes before the candidate so far,
+// and reports whether it did.
+func (p *pick) consider(c *consumer, at int) bool {
+	lost, load := c.loadLocked()
+	if p.c != nil && (lost && !p.lost || lost == p.lost && load >= p.load) {
+		return false
+	}
+	*p = pick{c: c, at: at, lost: lost, load: load}
+	return true
 }
 
 // reserveLocked takes a credit of c and a lease slot for b.
@@ -364,7 +398,7 @@ func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64, _ *ma
 	c.addOut(1)
 	b.leases++
 	b.sending++
-	b.offers++
+	b.rec.offers++
 	b.rec.sending++
 	e.stats.Leases++
 	m := c.allocs[b.rec]
@@ -375,7 +409,7 @@ func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64, _ *ma
 	}
 	m.leases++
 	m.bytes += b.size
-	return uint64(s.gen)<<32 | uint64(idx), b.offers, m
+	return uint64(s.gen)<<32 | uint64(idx), b.rec.offers, m
 }
 
 // send records the event if asked, and queues the offer. onConn reports

@@ -627,3 +627,189 @@ func TestInvalidOfferOnFailedConnection(t *testing.T) {
 	}
 	shutdown(t, e)
 }
+
+// TestCrowdCannotStarveAGoodConsumer (issue 29, defect 5): sixteen
+// processes connect with one credit each and never release, next to a
+// consumer that releases each batch. A connection that holds nothing beat
+// the good consumer at every pick: the first eight took the whole ring of
+// eight at once, and the producer waited for the lease deadline; when the
+// deadline replaced their buffers, the next eight took the fresh ones.
+// Now consumers that have released nothing hold, together, no more than
+// those that have: the holders never hold more than half the ring, and
+// the good consumer is served throughout, before and after each deadline.
+//
+// With MaxLeasesPerConsumer 2 the good consumer, at its cap, loses to
+// the crowd only buffers it could not take: the crowd holds at most the
+// ring less 2, and the producer never stops.
+//
+// The test runs the lease deadline itself (ExpireLeases) once the good
+// consumer holds nothing, so that it drops only the holders; without a
+// fix, the offers stop once the crowd holds the ring, and the watchdog
+// fails the test.
+func TestCrowdCannotStarveAGoodConsumer(t *testing.T) {
+	for _, tc := range []struct {
+		name            string
+		maxLeases, most int // the producer's cap; the most the crowd may hold
+	}{
+		{"credits", 0, 8 / 2},
+		{"max-leases", 2, 8 - 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) { testCrowd(t, tc.maxLeases, tc.most) })
+	}
+}
+
+func testCrowd(t *testing.T, maxLeases, most int) {
+	const ring, holders, rounds, perRound = 8, 16, 3, 40
+	env := sharetest.Setup(t)
+	mem := env.FreeMemory(t)
+	defer env.CheckMemory(t, mem)
+	// VMM: a dropped holder's buffers are replaced at once, as with the
+	// default producer. The deadline is the test's to run.
+	e := newExporterWith(t, env, share.ExporterConfig{Sharing: share.SharingVMM, LeaseTimeout: -1, MaxLeasesPerConsumer: maxLeases})
+	good := startConsumer(t, e)
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(ring, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The good consumer is at work, and has released, when the crowd comes.
+	offerRing(t, env, e, r, 0, ring)
+	goodIdle := func() bool { return share.LeasesOf(e, good.PID()) == 0 }
+	waitUntil(t, "the good consumer to release its batches", goodIdle)
+	crowd := make([]*sharetest.Child, holders)
+	for i := range crowd {
+		crowd[i] = sharetest.Start(t, "rawconsumer", sharetest.EnvParam(sharetest.ParamPath, e.Addr()),
+			sharetest.EnvParam(sharetest.ParamCredits, 1), sharetest.EnvParam(sharetest.ParamHold, 1))
+	}
+	for _, h := range crowd {
+		h.Expect("CONNECTED")
+	}
+	if err := e.WaitConsumers(ctx, 1+holders); err != nil {
+		t.Fatal(err)
+	}
+	// The watchdog of each round: the offers stop for good once the crowd
+	// holds the whole ring, as no deadline runs meanwhile.
+	wctx, cancel := context.WithTimeout(ctx, sharetest.ExpectTimeout)
+	defer cancel()
+	n := ring
+	dropped := 0
+	for round := range rounds {
+		before := e.Stats()
+		for range perRound {
+			b, err := r.Acquire(wctx)
+			if err != nil {
+				t.Fatalf("round %d: after %d offers (%d holders dropped), the producer cannot acquire a buffer: %v; the crowd holds %d of the ring's %d",
+					round, e.Stats().Offers-before.Offers, dropped, err, e.Stats().Leases-share.LeasesOf(e, good.PID()), ring)
+			}
+			if err := sharetest.Fill(env.Ctx, b.Ptr(), b.Size(), uint64(n)); err != nil {
+				t.Fatal(err)
+			}
+			if err := env.Ctx.Synchronize(); err != nil {
+				t.Fatal(err)
+			}
+			if err := e.Offer(wctx, b, share.OfferOptions{Meta: sharetest.Meta(uint64(n))}); err != nil {
+				t.Fatalf("round %d: Offer: %v", round, err)
+			}
+			n++
+		}
+		waitUntil(t, "the good consumer to release its batches", goodIdle)
+		// What is leased now is the crowd's.
+		st := e.Stats()
+		held := int(st.Leases)
+		if held > most {
+			t.Errorf("round %d: the crowd holds %d of the ring's %d buffers, want at most %d", round, held, ring, most)
+		}
+		t.Logf("round %d: the crowd holds %d buffers; the good consumer got %d of %d batches", round, held,
+			perRound-(held-int(before.Leases)), perRound)
+		if err := share.CheckLeaseCounts(e); err != nil {
+			t.Errorf("round %d: %v", round, err)
+		}
+		// The lease deadline: every holder holding a buffer is dropped,
+		// and its buffers replaced.
+		if k := share.ExpireLeases(e, time.Minute); k != held {
+			t.Errorf("round %d: the deadline dropped %d consumers, want the %d holders holding a buffer", round, k, held)
+		}
+		dropped += held
+		waitUntil(t, "the dropped holders' buffers to be replaced", func() bool {
+			s := e.Stats()
+			return int(s.Abandoned) == dropped && s.Consumers == 1+holders-dropped
+		})
+	}
+	if err := share.CheckLeaseCounts(e); err != nil {
+		t.Error(err)
+	}
+	for _, h := range crowd {
+		h.Kill()
+	}
+	waitUntil(t, "the crowd's connections to end", func() bool { return e.Stats().Consumers == 1 })
+	if err := share.CheckLeaseCounts(e); err != nil {
+		t.Error(err)
+	}
+	s := shutdown(t, e)
+	var rep sharetest.ConsumerReport
+	good.Report(&rep)
+	good.Wait()
+	checkConsumer(t, &rep, ring+rounds*perRound-dropped)
+	if s.Offers != uint64(ring+rounds*perRound) {
+		t.Errorf("exporter stats %+v, want %d offers", s, ring+rounds*perRound)
+	}
+}
+
+// TestNewcomerSlowToStartIsServed: the bound on what newcomers hold
+// (TestCrowdCannotStarveAGoodConsumer) does not starve a consumer that
+// joins a consumer at work and is merely slow to start: it gets its first
+// batch although the other consumer could take every one, holds it while
+// the producer goes on with the other, and once it has released it, is
+// served as any other. (A guard: the old policy passed it too.)
+func TestNewcomerSlowToStartIsServed(t *testing.T) {
+	env := sharetest.Setup(t)
+	mem := env.FreeMemory(t)
+	defer env.CheckMemory(t, mem)
+	e := newExporter(t, env)
+	good := startConsumer(t, e)
+	ctx := sharetest.Ctx(t)
+	if err := e.WaitConsumers(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	r, err := e.NewRing(8, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	offerRing(t, env, e, r, 0, 8)
+	waitUntil(t, "the good consumer to release its batches", func() bool { return share.LeasesOf(e, good.PID()) == 0 })
+	slow := startConsumer(t, e, sharetest.EnvParam(sharetest.ParamHold, 1))
+	if err := e.WaitConsumers(ctx, 2); err != nil {
+		t.Fatal(err)
+	}
+	// The good consumer releases each batch at once, so it can take every
+	// offer; the newcomer still gets its first.
+	n := 8
+	for ; share.LeasesOf(e, slow.PID()) == 0; n++ {
+		if n >= 8+40 {
+			t.Fatalf("the newcomer got nothing in %d offers", n-8)
+		}
+		offerRing(t, env, e, r, n, 1)
+	}
+	slow.Expect("HELD 1")
+	// While it works on its first batch, the other goes on.
+	offerRing(t, env, e, r, n, 40)
+	n += 40
+	slow.Send("release")
+	slow.Expect("RELEASED")
+	offerRing(t, env, e, r, n, 40)
+	n += 40
+	s := shutdown(t, e)
+	var srep, goodRep sharetest.ConsumerReport
+	slow.Report(&srep)
+	slow.Wait()
+	good.Report(&goodRep)
+	good.Wait()
+	checkConsumer(t, &srep, srep.Leases)
+	checkConsumer(t, &goodRep, goodRep.Leases)
+	if srep.Leases < 2 || srep.Leases+goodRep.Leases != n || s.Offers != uint64(n) {
+		t.Errorf("the newcomer got %d batches and the other %d, of %d; want the newcomer served after its first", srep.Leases, goodRep.Leases, n)
+	}
+}

@@ -5,9 +5,12 @@ package share_test
 import (
 	"context"
 	"errors"
+	"io"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/seed743c36cf/cudashare/driver"
 	"github.com/seed743c36cf/cudashare/internal/sharetest"
 	"github.com/seed743c36cf/cudashare/share"
 )
@@ -285,4 +288,54 @@ func TestVMMRepeatedReplacement(t *testing.T) {
 	good.Report(&rep)
 	good.Wait()
 	checkConsumer(t, &rep, rep.Leases)
+}
+
+// TestVMMUnsealedAllocationRefused: a producer on the simulator that sends
+// an allocation's memfd unsealed (a genuine header, so only the seals can
+// tell) could shrink it under the consumer's mapping and kill the consumer
+// with SIGBUS at its next read. The consumer refuses it with an error that
+// names the cause, releases the offer, and goes on with the next one.
+func TestVMMUnsealedAllocationRefused(t *testing.T) {
+	env := sharetest.Setup(t)
+	if !env.Sim() {
+		t.Skip("the simulator's memfds only: the real driver's handles are not files")
+	}
+	path := sharetest.SocketPath(t)
+	p := sharetest.Start(t, "unsealed", sharetest.EnvParam(sharetest.ParamPath, path))
+	p.Expect("LISTENING")
+	ctx := sharetest.Ctx(t)
+	im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer im.Close()
+	l, err := im.Next(ctx)
+	if err == nil {
+		l.Release()
+		t.Fatal("the consumer took an unsealed memfd")
+	}
+	if !errors.Is(err, driver.ErrUnknown) || !strings.Contains(err.Error(), "not sealed against shrinking and growing") {
+		t.Fatalf("offer of the unsealed memfd: %v, want CUDA_ERROR_UNKNOWN naming the missing seals", err)
+	}
+	t.Logf("refused: %v", err)
+	l, err = im.Next(ctx)
+	if err != nil {
+		t.Fatalf("the genuine allocation after the refused one: %v", err)
+	}
+	if err := sharetest.Check(env.Ctx, l.Ptr(), l.Size(), 3); err != nil {
+		t.Fatal(err)
+	}
+	l.Release()
+	if _, err := im.Next(ctx); !errors.Is(err, io.EOF) {
+		t.Fatalf("Next after the producer's goodbye: %v, want io.EOF", err)
+	}
+	var rep sharetest.RawReport
+	p.Report(&rep)
+	p.Wait()
+	if rep.Releases != 2 || !rep.Closed {
+		t.Errorf("producer: %+v, want both offers released and the genuine allocation closed", rep)
+	}
+	if err := im.Shutdown(ctx); err != nil {
+		t.Fatal(err)
+	}
 }

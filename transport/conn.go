@@ -90,6 +90,11 @@ type Conn struct {
 	poller    atomic.Pointer[Poller]
 	sockReady atomic.Bool
 	pollFD    int32
+	// sleeps counts this side's sleeps on the ring it reads, carriers
+	// the reads of the socket that brought descriptors, and bells the
+	// doorbells read: a peer that keeps the rules rings at most once per
+	// sleep, and once more per set of descriptors (socketFrames).
+	sleeps, carriers, bells uint64
 
 	// ring is the segment of a ring connection, nil on a socket one. The
 	// write side holds ringMu shared while it writes into the segment;

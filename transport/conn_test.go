@@ -411,6 +411,12 @@ func TestHostileInput(t *testing.T) {
 		{"credit past the limit", RoleProducer, func(p *rawPeer) {
 			p.sendMsg(KindCredit, MaxWindow)
 		}, ErrCredit, codeCredit},
+		{"one credit message past the limit", RoleProducer, func(p *rawPeer) {
+			p.sendMsg(KindCredit, MaxWindow+1) // a window past the limit, as above: PROTOCOL.md 2.2
+		}, ErrCredit, codeCredit},
+		{"credit of 0", RoleProducer, func(p *rawPeer) {
+			p.sendMsg(KindCredit, 0) // [7, n] with 1 <= n: a field out of its range
+		}, ErrMalformed, codeMalformed},
 		{"truncated frame", RoleConsumer, func(p *rawPeer) {
 			p.write(frame(mustMarshal(offerElems(1, 0)))[:20])
 			p.c.Close()

@@ -59,8 +59,14 @@ func (d *decoder) decode(body []byte, m *Message) (Kind, error) {
 		if err = needFields(kind, n, want); err == nil {
 			var v uint64
 			v, err = r.uint("credit.n")
-			if err == nil && (v == 0 || v > MaxWindow) {
-				err = malformed("credit.n: %d, want 1..%d", v, MaxWindow)
+			switch {
+			case err != nil:
+			case v == 0:
+				err = malformed("credit.n: 0, want at least 1")
+			case v > MaxWindow:
+				// A window past the limit whatever it was before: the
+				// error of every window past it (PROTOCOL.md 2.2).
+				err = fmt.Errorf("%w: a credit of %d, past the window's limit of %d", ErrCredit, v, MaxWindow)
 			}
 			m.Credits = uint32(v)
 		}
@@ -153,8 +159,11 @@ func (d *decoder) decodeHello(r *reader, n int, kind Kind) (err error) {
 	if h.credits, err = r.uint("hello.credits"); err != nil {
 		return err
 	}
-	if h.credits > MaxWindow {
-		return malformed("hello.credits: %d, limit %d", h.credits, MaxWindow)
+	if h.credits > MaxWindow && h.role == RoleConsumer {
+		// A window past the limit, as a credit can make one: the same
+		// error (PROTOCOL.md 2.2). A producer's credits mean nothing
+		// (section 3): whatever they hold is ignored.
+		return fmt.Errorf("%w: hello.credits: a window of %d, limit %d", ErrCredit, h.credits, MaxWindow)
 	}
 	return nil
 }

@@ -110,7 +110,8 @@ type Offer struct {
 	// AllocID names the producer's allocation; it is never reused, so a
 	// consumer may cache its mapping under it until a retire.
 	AllocID uint64
-	// Generation counts the producer's reuses of the allocation.
+	// Generation counts the producer's offers of the allocation, from 1:
+	// a later lend of the same range has a larger one.
 	Generation uint64
 	// Handle names the allocation: for HandleIPC its CUipcMemHandle; see
 	// HandleKind for the others.

@@ -288,6 +288,7 @@ func (c *Conn) armPoll() (ready bool, deadline time.Time) {
 		return false, deadline
 	}
 	c.ring.in.sleep()
+	c.sleeps++ // the peer may ring once for it (socketFrames)
 	return c.ring.in.ready() || c.sockEnd != 0, deadline
 }
 

@@ -403,6 +403,7 @@ func (c *Conn) takeFDs(oob []byte, flags int) error {
 		return err
 	}
 	c.fdq = append(c.fdq, fds...)
+	c.carriers++
 	return nil
 }
 

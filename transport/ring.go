@@ -151,13 +151,27 @@ func (h *ringHalf) read(p []byte) (int, error) {
 	return n, nil
 }
 
-// write copies as much of b as there is room for, and publishes it.
-func (h *ringHalf) write(b []byte) (int, error) {
+// peerHead loads the peer's head of a ring this side writes, and checks
+// it: a head only grows, and never past what was written (seen <= head <=
+// pos; seen never lags pos by more than the ring). A peer whose head
+// breaks that, by going backwards or beyond, or by flipping between
+// values, has broken the ring's rules. The caller owns the write side.
+func (h *ringHalf) peerHead() (uint64, error) {
 	head := atomic.LoadUint64(h.head)
-	if head-h.seen > ringSize || h.pos-head > ringSize {
+	// Unsigned: a head behind seen wraps around to more than pos-seen.
+	if head-h.seen > h.pos-h.seen {
 		return 0, malformed("ring head moved from %d to %d, with %d written", h.seen, head, h.pos)
 	}
 	h.seen = head
+	return head, nil
+}
+
+// write copies as much of b as there is room for, and publishes it.
+func (h *ringHalf) write(b []byte) (int, error) {
+	head, err := h.peerHead()
+	if err != nil {
+		return 0, err
+	}
 	n := min(ringSize-int(h.pos-head), len(b))
 	if n == 0 {
 		return 0, nil
@@ -171,8 +185,12 @@ func (h *ringHalf) write(b []byte) (int, error) {
 	return n, nil
 }
 
-// flushed reports whether the peer has read everything written.
-func (h *ringHalf) flushed() bool { return atomic.LoadUint64(h.head) == h.pos }
+// flushed reports whether the peer has read everything written, and
+// fails if its head broke the rules (peerHead).
+func (h *ringHalf) flushed() (bool, error) {
+	head, err := h.peerHead()
+	return head == h.pos, err
+}
 
 // sleep and wake set and clear this side's sleeping word on the ring it
 // reads. A reader sets it, then looks at the ring once more, before it

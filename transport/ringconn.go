@@ -7,7 +7,6 @@ import (
 	"encoding/binary"
 	"fmt"
 	"runtime"
-	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -71,6 +70,7 @@ func (c *Conn) fillRing(ctx context.Context, avail int) error {
 			}
 		}
 		c.ring.in.sleep()
+		c.sleeps++
 		if c.ring.in.ready() {
 			c.ring.in.wake()
 			continue
@@ -148,9 +148,20 @@ func (c *Conn) roomInSocketBuf() {
 	}
 }
 
+// bellSlack is how many doorbells beyond the count of socketFrames a peer
+// may send. A peer that keeps the rules never needs it (the count is
+// exact: a writer rings only after its compare-and-swap of the sleeping
+// word from 1 to 0 succeeds, so once per sleep of this reader at most,
+// and once more to carry descriptors); it is a margin for a peer that
+// rings a few times too often, which costs little. What it bounds is the
+// peer that rings without end and makes this side wake up for nothing
+// (one rang 610 million times in 6 s, a whole core of the producer's).
+const bellSlack = 64
+
 // socketFrames takes the whole frames in sbuf: doorbells, which only woke
 // the reader, and an error message, which ends the connection. Anything
-// else has no business on the socket of a ring connection.
+// else has no business on the socket of a ring connection, and neither
+// have more doorbells than the reader slept (bellSlack).
 func (c *Conn) socketFrames() error {
 	for {
 		avail := c.sw - c.sr
@@ -160,6 +171,9 @@ func (c *Conn) socketFrames() error {
 		n := int(binary.BigEndian.Uint32(c.sbuf[c.sr:]))
 		if n == 0 {
 			c.sr += headerSize
+			if c.bells++; c.bells > c.sleeps+c.carriers+bellSlack {
+				return malformed("%d doorbells on the socket of a ring connection whose reader slept %d times and took %d sets of descriptors: a doorbell answers a sleep", c.bells, c.sleeps, c.carriers)
+			}
 			continue
 		}
 		if n > sockFrameMax {
@@ -280,7 +294,7 @@ func (c *Conn) ringWriteAll(b []byte) error {
 			w = ringWait{}
 			continue
 		}
-		if err := c.ringPause(&w, "read nothing of a full ring"); err != nil {
+		if err := c.ringPause(&w, "read nothing of a full ring", true); err != nil {
 			return err
 		}
 	}
@@ -290,24 +304,32 @@ func (c *Conn) ringWriteAll(b []byte) error {
 // ringFlushed waits until the peer has read everything in the ring. A
 // writer does so before it sends descriptors, so that a reader never
 // holds those of more than the offer it is taking and the next.
+//
+// It waits without the write deadline, which measures only a peer that
+// leaves a full ring (or socket) unread (PROTOCOL.md section 7): here the
+// ring has room, and a reader that pauses (a trainer saving a checkpoint)
+// is not stuck. What it leaves unread is offers it holds, and the lease
+// deadline of the layer above covers those; a socket connection waits the
+// same for a reader that pauses with room in its socket. The wait is the
+// writer goroutine's, of this connection only: it holds no lock that a
+// send or another connection needs. It ends when the peer reads, closes
+// or dies (its socket hangs up), breaks the ring's rules (its head goes
+// backwards or past the tail: peerHead), or the connection fails (Close,
+// the lease deadline).
 func (c *Conn) ringFlushed() error {
 	var w ringWait
-	var last uint64
 	for {
 		c.ringMu.RLock()
 		if c.ringGone {
 			c.ringMu.RUnlock()
 			return c.failure()
 		}
-		head, done := atomic.LoadUint64(c.ring.out.head), c.ring.out.flushed()
+		done, err := c.ring.out.flushed()
 		c.ringMu.RUnlock()
-		if done {
-			return nil
+		if err != nil || done {
+			return err
 		}
-		if head != last {
-			last, w = head, ringWait{}
-		}
-		if err := c.ringPause(&w, "did not read the ring to its end"); err != nil {
+		if err := c.ringPause(&w, "did not read the ring to its end", false); err != nil {
 			return err
 		}
 	}
@@ -319,10 +341,20 @@ type ringWait struct {
 	pause time.Duration
 }
 
+// Pauses between looks at a ring the peer has not read: short at first, to
+// catch a reader that is only behind, then up to ringPauseMax; and once a
+// wait without a deadline has lasted ringLongWait, up to ringPauseLong, so
+// that a reader paused for minutes costs a few wake-ups a second.
+const (
+	ringPauseMax  = time.Millisecond
+	ringLongWait  = 100 * time.Millisecond
+	ringPauseLong = 20 * time.Millisecond
+)
+
 // ringPause waits a little for the peer to read, looking again soon and
 // then less often: a reader that is behind, or stopped. It fails once the
-// peer has closed, or made no progress for WriteTimeout.
-func (c *Conn) ringPause(w *ringWait, what string) error {
+// peer has closed, or, with deadline, made no progress for WriteTimeout.
+func (c *Conn) ringPause(w *ringWait, what string, deadline bool) error {
 	if c.peerClosed() {
 		// A socket would say EPIPE: the reader is gone for good.
 		return fmt.Errorf("%w: the peer closed the connection and %s: %w", ErrDisconnected, what, unix.EPIPE)
@@ -330,10 +362,16 @@ func (c *Conn) ringPause(w *ringWait, what string) error {
 	now := time.Now()
 	if w.stuck.IsZero() {
 		w.stuck = now
-	} else if now.Sub(w.stuck) >= c.cfg.WriteTimeout {
+	}
+	waited := now.Sub(w.stuck)
+	if deadline && waited >= c.cfg.WriteTimeout {
 		return fmt.Errorf("%w: the peer %s for %v%w", ErrWriteTimeout, what, c.cfg.WriteTimeout, errRingStalled)
 	}
-	w.pause = min(max(2*w.pause, 10*time.Microsecond), time.Millisecond)
+	most := ringPauseMax
+	if !deadline && waited >= ringLongWait {
+		most = ringPauseLong
+	}
+	w.pause = min(max(2*w.pause, 10*time.Microsecond), most)
 	if c.ringTimer == nil {
 		c.ringTimer = time.NewTimer(w.pause)
 	} else {

@@ -238,7 +238,7 @@ func badBodies() []struct {
 		{"goodbye invalid UTF-8", []byte{0x92, 0x08, 0xa1, 0xff}, ErrMalformed},
 		{"goodbye too long", append([]byte{0x92, 0x08, 0xda, 0x08, 0x00}, bytes.Repeat([]byte{'a'}, 2048)...), ErrMalformed},
 		{"credit zero", []byte{0x92, 0x07, 0x00}, ErrMalformed},
-		{"credit past limit", []byte{0x92, 0x07, 0xce, 0xff, 0xff, 0xff, 0xff}, ErrMalformed},
+		{"credit past limit", []byte{0x92, 0x07, 0xce, 0xff, 0xff, 0xff, 0xff}, ErrCredit}, // a window past the limit, PROTOCOL.md 2.2
 		{"short handle", mustMarshal([]any{3, 1, 1, 1, []byte{1, 2, 3}, 10, 0, 10, make([]byte, 16), nil, nil, 0}), ErrMalformed},
 		{"range past allocation", mustMarshal([]any{3, 1, 1, 1, make([]byte, 64), 10, 8, 4, make([]byte, 16), nil, nil, 0}), ErrMalformed},
 		{"range overflow", mustMarshal([]any{3, 1, 1, 1, make([]byte, 64), 10, 8, uint64(math.MaxUint64), make([]byte, 16), nil, nil, 0}), ErrMalformed},
@@ -248,7 +248,7 @@ func badBodies() []struct {
 		{"hello bad role", mustMarshal([]any{1, 1, 3, 1, make([]byte, 16), []any{}, 0, 0}), ErrMalformed},
 		{"hello too many devices", mustMarshal([]any{1, 1, 1, 1, make([]byte, 16), make([][]byte, 65), 0, 0}), ErrMalformed},
 		{"hello device not 16 bytes", mustMarshal([]any{1, 1, 1, 1, make([]byte, 16), [][]byte{{1}}, 0, 0}), ErrMalformed},
-		{"hello credits past limit", mustMarshal([]any{1, 1, 2, 1, make([]byte, 16), []any{}, 0, MaxWindow + 1}), ErrMalformed},
+		{"hello credits past limit", mustMarshal([]any{1, 1, 2, 1, make([]byte, 16), []any{}, 0, MaxWindow + 1}), ErrCredit},
 	}
 }
 

@@ -227,11 +227,12 @@ func (c *Conn) writeFailed(err error) {
 		c.setFailure(err)
 		return
 	}
-	// A peer that left the ring unread (stopped, say) can be told why it
-	// was dropped: the socket holds whole frames and has room, and the
-	// peer reads it once it resumes. A full socket has no room for it,
-	// and may end in the middle of a frame.
-	c.fail(err, errors.Is(err, errRingStalled))
+	// A peer that left the ring unread (stopped, say), or broke the
+	// ring's rules (its head: ring.go, peerHead), can be told why it was
+	// dropped: the socket holds whole frames and has room, and the peer
+	// reads it once it resumes. A full socket has no room for it, and
+	// may end in the middle of a frame.
+	c.fail(err, errors.Is(err, errRingStalled) || (c.ring != nil && errors.Is(err, ErrMalformed)))
 }
 
 // errRingStalled marks a write timeout on a ring, where the socket is

@@ -22,7 +22,7 @@ import (
 // can tell a missing GPU from a missing producer without reading messages.
 const (
 	ExitOK           = 0 // done, every batch verified
-	ExitFailure      = 1 // a failure, or a batch that failed verification
+	ExitFailure      = 1 // a failure, a batch that failed verification, or a protocol error from the producer
 	ExitUsage        = 2 // bad flags
 	ExitNoDriver     = 3 // no CUDA driver, no GPU, or no such device
 	ExitSocket       = 4 // producer: cannot listen on the socket; consumer: no producer there
@@ -34,7 +34,9 @@ const (
 
 const exitCodesHelp = `exit codes:
   0  done (consumer: every verified batch was right)
-  1  failure, or a batch that failed verification
+  1  failure, or a batch that failed verification; consumer: also a protocol
+     error from the process at the socket (a malformed hello-ack, a bad ring
+     segment, a message it cannot accept)
   2  usage: bad flags
   3  no CUDA driver or GPU (or no such -device); -driver sim runs without one
   4  producer: cannot listen on the socket (in use, or an unsafe directory);

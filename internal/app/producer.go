@@ -221,6 +221,7 @@ func (p *producer) run(ctx context.Context) error {
 	p.rep.Offers, p.rep.Releases, p.rep.BytesOffered = st.Offers, st.Releases, st.BytesOffered
 	p.rep.ConsumersLost, p.rep.Retired = st.ConsumersLost, st.Retired
 	p.rep.ConsumersDropped, p.rep.BroadcastMissed = st.ConsumersDropped, st.BroadcastMissed
+	p.rep.ConsumersFailed = st.ConsumersFailed
 	p.rep.OrderedReleases = st.OrderedReleases
 	p.rep.Abandoned, p.rep.Replaced = st.Abandoned, st.Replaced
 	p.rep.AllocationsLeft, p.rep.LeasesLeft = st.Allocations, st.Leases
@@ -514,8 +515,8 @@ func (p *producer) summary(w io.Writer) {
 	fmt.Fprintf(w, "producer: sharing %s: %s\n", r.Sharing, r.SharingWhy)
 	fmt.Fprintf(w, "producer: %d batches of %s (%s) in %.2fs: %.0f batches/s, %s lent in %d offers; ended by %s\n",
 		r.Batches, FormatSize(r.Size), what, r.Seconds, r.BatchesPerS, humanBytes(r.BytesOffered), r.Offers, r.End)
-	fmt.Fprintf(w, "producer: consumers: %d lost (gone without a goodbye), %d dropped (stuck past a timeout, or a protocol error); %d broadcast offer(s) missed by a full backlog\n",
-		r.ConsumersLost, r.ConsumersDropped, r.BroadcastMissed)
+	fmt.Fprintf(w, "producer: consumers: %d lost (gone without a goodbye), %d dropped (stuck past a timeout, or a protocol error), %d failed (left with an error of their own, logged); %d broadcast offer(s) missed by a full backlog\n",
+		r.ConsumersLost, r.ConsumersDropped, r.ConsumersFailed, r.BroadcastMissed)
 	left := "none left"
 	if r.AllocationsLeft > 0 {
 		left = fmt.Sprintf("%d LEFT ALLOCATED", r.AllocationsLeft)

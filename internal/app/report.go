@@ -43,9 +43,12 @@ type ProducerReport struct {
 	// messages unread past -write-timeout, a protocol violation), and
 	// consumers a broadcast skipped because their backlog was full.
 	ConsumersDropped uint64 `json:"consumers_dropped"`
-	OrderedReleases  uint64 `json:"ordered_releases"` // releases that were stream-ordered (consumer -verify async)
-	BroadcastMissed  uint64 `json:"broadcast_missed"`
-	Retired          uint64 `json:"retired"`
+	// Consumers that left with an error message of their own (the log
+	// says which, the code and their text).
+	ConsumersFailed uint64 `json:"consumers_failed"`
+	OrderedReleases uint64 `json:"ordered_releases"` // releases that were stream-ordered (consumer -verify async)
+	BroadcastMissed uint64 `json:"broadcast_missed"`
+	Retired         uint64 `json:"retired"`
 	// Buffers given up to lost consumers that may still read them (VMM),
 	// and ring allocations replaced with fresh memory because of them.
 	Abandoned uint64 `json:"abandoned"`

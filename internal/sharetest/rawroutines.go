@@ -17,6 +17,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/seed743c36cf/cudashare/driver"
 	"github.com/seed743c36cf/cudashare/transport"
 )
@@ -138,7 +140,8 @@ func exportHandle(ce *ChildEnv) error {
 }
 
 // rawConsumer is a consumer on the bare transport, which can do what the
-// Importer never does. It takes ParamHold offers (1), mapping the first
+// Importer never does. With ParamCredits credits (the transport's default
+// if unset), it takes ParamHold offers (1), mapping the first
 // one's allocation (and checking its bytes), prints HELD n, then obeys
 // lines on stdin: "closed" sends closed for that allocation, unasked;
 // "bogus-release" releases a sequence number it was never sent;
@@ -153,6 +156,9 @@ func rawConsumer(ce *ChildEnv) error {
 	cfg := transport.DefaultConfig(transport.RoleConsumer)
 	cfg.Devices = []transport.UUID{ce.Ctx.Device().UUID()}
 	cfg.AcceptFDs = true
+	if n := Param(ParamCredits, 0); n > 0 {
+		cfg.Credits = uint32(n)
+	}
 	before := socketFDs()
 	conn, err := transport.Dial(ctx, os.Getenv(ParamPath), cfg)
 	if err != nil {
@@ -459,4 +465,109 @@ func closeAll(fds []int) {
 	for _, fd := range fds {
 		syscall.Close(fd)
 	}
+}
+
+// unsealedProducer offers, as a hostile producer on the simulator may, a
+// copy of a genuine allocation's memfd (its header, checksum and all) that
+// is not sealed against shrinking: a consumer that mapped it could be made
+// to fault (SIGBUS) by an ftruncate. Then it offers the genuine allocation,
+// filled with batch 3, retires it once released and ends. It reports
+// RawReport: Releases of both offers, Closed for the genuine one.
+func unsealedProducer(ce *ChildEnv) error {
+	ctx, cancel := context.WithTimeout(context.Background(), ExpectTimeout)
+	defer cancel()
+	ln, dev, err := rawListen(ctx, ce)
+	if err != nil {
+		return err
+	}
+	defer ln.Close()
+	conn, err := ln.Accept(ctx)
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	size, _, err := ce.Ctx.Device().AllocationGranularity()
+	if err != nil {
+		return err
+	}
+	a, err := ce.Ctx.MemCreate(size, driver.MemCreateOptions{Exportable: true})
+	if err != nil {
+		return err
+	}
+	defer a.Close()
+	m, err := ce.Ctx.Map(a)
+	if err != nil {
+		return err
+	}
+	defer m.Close()
+	if err := Fill(ce.Ctx, m.Ptr(), 4096, 3); err != nil {
+		return err
+	}
+	f, err := a.ExportFD()
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	forged, err := unsealedCopy(int(f.Fd()), size)
+	if err != nil {
+		return err
+	}
+	defer syscall.Close(forged)
+	offers := []transport.Offer{
+		{Seq: 1, AllocID: 1, FDs: []int{forged}},
+		{Seq: 2, AllocID: 2, FDs: []int{int(f.Fd())}},
+	}
+	for i := range offers {
+		o := &offers[i]
+		o.Handle[0] = byte(o.AllocID)
+		o.HandleKind, o.AllocSize, o.Size, o.Device, o.Meta = transport.HandleFD, size, 4096, dev, Meta(3)
+		if err := conn.SendOffer(ctx, o); err != nil {
+			return err
+		}
+	}
+	var rep RawReport
+	var msg transport.Message
+	for rep.Releases < len(offers) {
+		if err := conn.Recv(ctx, &msg); err != nil {
+			return err
+		}
+		if msg.Kind == transport.KindRelease {
+			rep.Releases += len(msg.Seqs)
+		}
+	}
+	if err := conn.SendRetire(ctx, 2); err != nil {
+		return err
+	}
+	for !rep.Closed {
+		if err := conn.Recv(ctx, &msg); err != nil {
+			return err
+		}
+		rep.Closed = msg.Kind == transport.KindClosed && msg.AllocID == 2
+	}
+	conn.Shutdown(ctx, "unsealed producer done")
+	report(rep)
+	return nil
+}
+
+// unsealedCopy makes a memfd of the simulator's layout (PROTOCOL.md,
+// section 4.1) with fd's header page and size bytes of memory, and no seal.
+func unsealedCopy(fd int, size uint64) (int, error) {
+	const header = 4096
+	hdr := make([]byte, header)
+	if _, err := syscall.Pread(fd, hdr, 0); err != nil {
+		return -1, fmt.Errorf("read the header: %w", err)
+	}
+	forged, err := unix.MemfdCreate("cudashare-sim-vmm-unsealed", unix.MFD_CLOEXEC)
+	if err != nil {
+		return -1, err
+	}
+	if err := unix.Ftruncate(forged, int64(header+size)); err != nil {
+		syscall.Close(forged)
+		return -1, err
+	}
+	if _, err := syscall.Pwrite(forged, hdr, 0); err != nil {
+		syscall.Close(forged)
+		return -1, err
+	}
+	return forged, nil
 }

@@ -62,6 +62,7 @@ var routines = map[string]func(*ChildEnv) error{
 	"export":      exportHandle,
 	"holder":      holder,
 	"grabber":     grabber,
+	"unsealed":    unsealedProducer,
 }
 
 // Param returns the integer parameter name, or def.

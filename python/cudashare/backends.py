@@ -11,6 +11,7 @@ has). ``CUDASHARE_DRIVER=sim|cuda`` or ``connect(backend=...)`` forces it.
 """
 
 import ctypes
+import fcntl
 import mmap
 import os
 import struct
@@ -41,12 +42,51 @@ class Mapping:
 
 SIM_HEADER = 4096
 SIM_MAGIC = b"CSIMVMM1"
+# The seals an allocation's memfd must have (PROTOCOL.md §4.1.1): without
+# them its sender could shrink it under the mapping, and every later read
+# of the lost pages would kill this process with SIGBUS.
+SIM_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+# ... and must not have: they make a writable shared mapping fail.
+SIM_BAD_SEALS = fcntl.F_SEAL_WRITE | 0x0010  # F_SEAL_FUTURE_WRITE
+
+
+def _check_sim_memfd(fd, alloc_size):
+    """Checks that fd is an allocation's memfd that is safe to map
+    (PROTOCOL.md §4.1.1) and returns the size of its memory; raises
+    DriverError (CUDA_ERROR_UNKNOWN, as the simulator answers) naming what
+    is wrong. The seals come first: once the memfd is sealed against
+    shrinking, the size read after cannot change before the mapping."""
+    def refuse(why, *args):
+        raise DriverError("cuMemImportFromShareableHandle (sim)", 999,
+                          "the descriptor is not a simulator VMM allocation: " + (why % args))
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as e:
+        refuse("not a memfd (F_GET_SEALS: %s)", e)
+    if seals & SIM_SEALS != SIM_SEALS:
+        refuse("the memfd is not sealed against shrinking and growing (seals %#x): "
+               "its sender could resize it under the mapping", seals)
+    if seals & SIM_BAD_SEALS:
+        refuse("the memfd is sealed against writing (seals %#x)", seals)
+    try:
+        hdr = os.pread(fd, 64, 0)
+        st = os.fstat(fd)
+    except OSError as e:
+        refuse("%s", e)
+    if len(hdr) < 24 or hdr[:8] != SIM_MAGIC:
+        refuse("no %r header", SIM_MAGIC)
+    version, _dev, size = struct.unpack_from("<IIQ", hdr, 8)
+    if version != 1 or size < alloc_size:
+        refuse("header version %d, %d bytes for an allocation of %d", version, size, alloc_size)
+    if st.st_size != SIM_HEADER + size:
+        refuse("the memfd has %d bytes, its header says %d of memory after %d", st.st_size, size, SIM_HEADER)
+    return size
 
 
 class SimBackend:
-    """The simulator's representation (driver/internal/sim/doc.go, "VMM
-    allocations"): a posix_fd allocation is a memfd with a 4096-byte header
-    and then the memory, which any process maps MAP_SHARED. Legacy IPC
+    """The simulator's representation (PROTOCOL.md §4.1.1): a posix_fd
+    allocation is a sealed memfd with a 4096-byte header and then the
+    memory, which any process maps MAP_SHARED. Legacy IPC
     handles name state only the Go simulator reads: such leases work as far
     as the protocol goes, and their data raises NotSupported."""
 
@@ -64,20 +104,7 @@ class SimBackend:
             return Mapping(offer.alloc_id, offer.handle_kind, None, offer.alloc_size, offer.handle)
         fd = fds[0]
         try:
-            try:
-                hdr = os.pread(fd, 64, 0)
-            except OSError as e:
-                raise DriverError("cuMemImportFromShareableHandle (sim)", 999,
-                                  "the descriptor is not a simulator VMM allocation: %s" % e)
-            if len(hdr) < 24 or hdr[:8] != SIM_MAGIC:
-                raise DriverError("cuMemImportFromShareableHandle (sim)", 999,
-                                  "the descriptor is not a simulator VMM allocation")
-            version, _dev, size = struct.unpack_from("<IIQ", hdr, 8)
-            if version != 1 or size < offer.alloc_size:
-                raise DriverError("cuMemImportFromShareableHandle (sim)", 999,
-                                  "header version %d, %d bytes for an allocation of %d" % (version, size, offer.alloc_size))
-            if os.fstat(fd).st_size < SIM_HEADER + size:
-                raise DriverError("cuMemImportFromShareableHandle (sim)", 999, "memfd shorter than its header says")
+            size = _check_sim_memfd(fd, offer.alloc_size)
             p = _libc.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, SIM_HEADER)
             if p is None or p == _MAP_FAILED:
                 e = ctypes.get_errno()

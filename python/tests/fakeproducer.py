@@ -40,13 +40,21 @@ def offer_msg(seq, alloc_id=1, size=4096, alloc_size=1 << 21, offset=0, kind=Non
     return msg
 
 
-def sim_memfd(size, fill):
-    """A memfd laid out as the simulator's VMM allocation, filled with fill."""
-    fd = os.memfd_create("cudashare-sim-vmm-test", os.MFD_CLOEXEC)
-    os.ftruncate(fd, HEADER + size)
+SIM_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def sim_memfd(size, fill, seals=SIM_SEALS, length=None):
+    """A memfd laid out as the simulator's VMM allocation, filled with fill
+    and sealed as the simulator seals it (PROTOCOL.md §4.1.1); or a bad
+    one: other seals, or length bytes in all instead of the header and
+    size."""
+    fd = os.memfd_create("cudashare-sim-vmm-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, HEADER + size if length is None else length)
     hdr = b"CSIMVMM1" + struct.pack("<IIQQ", 1, 0, size, 1)
     os.pwrite(fd, hdr, 0)
-    os.pwrite(fd, bytes([fill]) * size, HEADER)
+    os.pwrite(fd, bytes([fill]) * min(size, max(0, (length or HEADER + size) - HEADER)), HEADER)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
     return fd
 
 

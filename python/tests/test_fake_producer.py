@@ -4,6 +4,7 @@ hostile producer must get an error (with the right code), never a hang or
 unbounded memory, and every descriptor it sent must be closed."""
 
 import ctypes
+import fcntl
 import gc
 import os
 import socket
@@ -207,6 +208,33 @@ def test_fd_that_is_not_an_allocation(fake):
     os.close(r)
     os.close(w)
     expect_error(f, c, E.INTERNAL)
+
+
+@pytest.mark.parametrize("bad, why", [
+    ({"seals": 0}, "not sealed against shrinking and growing"),
+    ({"seals": fcntl.F_SEAL_SHRINK}, "not sealed against shrinking and growing"),
+    ({"seals": fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL}, "not sealed against shrinking and growing"),
+    ({"seals": fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE}, "sealed against writing"),
+    ({"length": 4096 + MiB2 + 4096}, "the memfd has"),
+    ({"length": 4096 + MiB2 // 2}, "the memfd has"),
+])
+def test_sim_memfd_that_could_be_resized_is_refused(fake, bad, why):
+    """A memfd of the simulator's layout that its sender could still shrink
+    under the mapping (a SIGBUS at the next read), or of the wrong size, is
+    refused before it is mapped: error 10 naming the cause, to the user
+    and to the producer (PROTOCOL.md §4.1.1)."""
+    f, c = connected(fake)
+    fd = sim_memfd(MiB2, 1, **bad)
+    f.offer(1, size=4096, kind=1, nfds=1, fds=[fd])
+    with pytest.raises(cudashare.ProtocolError) as ei:
+        c.next(timeout=5)
+    assert ei.value.code == E.INTERNAL and why in str(ei.value), ei.value
+    m = f.recv_until(9)
+    assert m is not None and m[1] == E.INTERNAL and why in m[2], m
+    if not bad.get("seals", fcntl.F_SEAL_SHRINK) & fcntl.F_SEAL_SHRINK:
+        os.ftruncate(fd, 0)  # what a hostile producer would do next: nothing maps it
+    os.close(fd)
+    c.close(timeout=0.5)
 
 
 def test_half_frame_times_out(fake):

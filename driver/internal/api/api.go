@@ -408,6 +408,15 @@ type Strict interface {
 	Violations() ([]Violation, error)
 }
 
+// ImportExplainer is implemented by backends that can say why
+// MemImportFromShareableHandle refused a handle, which the CUresult does
+// not: the simulator names what is wrong with a descriptor (not one of its
+// allocations, not sealed against resizing, the wrong size). It returns
+// nil when it sees nothing wrong.
+type ImportExplainer interface {
+	ExplainImport(osHandle uintptr, handleType int32) error
+}
+
 // ResultNames lists every CUresult this package names, for tests.
 func ResultNames() map[Result]string {
 	m := make(map[Result]string, len(resultNames))

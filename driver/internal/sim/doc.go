@@ -85,7 +85,9 @@
 // A VMM allocation is a memfd (memfd_create, named
 // "cudashare-sim-vmm-<global id>"), not a file in the state directory. Its
 // layout is the simulator's representation of device memory, stable for
-// other readers (a Python consumer maps it with mmap):
+// other readers (a Python consumer maps it with mmap); PROTOCOL.md section
+// 4.1.1 is its normative description for peers, kept in step by
+// TestVMMLayoutDocumented:
 //
 //	offset 0, one 4096-byte header page, little-endian:
 //	[0:8]   "CSIMVMM1"
@@ -99,8 +101,20 @@
 //	[56:64] checksum: FNV-1a of the machine's secret and bytes [0:56]
 //	offset 4096: the memory itself, size bytes
 //
-// A consumer that is not the sim maps [4096, 4096+size) of the fd
-// MAP_SHARED and sees the same bytes as every other mapping. Export dups
+// The creator makes the memfd with MFD_ALLOW_SEALING, mode 0600, and seals
+// it with F_SEAL_SHRINK, F_SEAL_GROW and F_SEAL_SEAL once header and size
+// are written, so that no process it reaches can resize it (a shrunk
+// memfd makes every access to a mapping of the lost pages fault, SIGBUS,
+// in every process) or seal it against writing. An import refuses, with
+// CUDA_ERROR_UNKNOWN, an fd whose seals lack F_SEAL_SHRINK or F_SEAL_GROW,
+// include F_SEAL_WRITE or F_SEAL_FUTURE_WRITE, or whose size is not
+// exactly 4096 + size; ExplainImport says which (api.ImportExplainer).
+// It reads the seals before the size: once sealed, the size cannot change
+// between the check and the mapping.
+//
+// A consumer that is not the sim makes the same checks, then maps
+// [4096, 4096+size) of the fd MAP_SHARED and sees the same bytes as every
+// other mapping. Export dups
 // the memfd (cuMemExportToShareableHandle gives a new close-on-exec fd);
 // import needs nothing but the fd, so an fd passed with SCM_RIGHTS imports
 // in any process and any PID namespace; cuMemMap mmaps the memory. The

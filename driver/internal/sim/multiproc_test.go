@@ -46,7 +46,15 @@ type child struct {
 // own sim settings are not inherited; env adds the child's.
 func startHelper(t *testing.T, name, dir string, env ...string) *child {
 	t.Helper()
+	return startHelperFiles(t, name, dir, nil, env...)
+}
+
+// startHelperFiles is startHelper with files passed to the child as its
+// descriptors 3, 4 and so on.
+func startHelperFiles(t *testing.T, name, dir string, files []*os.File, env ...string) *child {
+	t.Helper()
 	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.ExtraFiles = files
 	for _, kv := range os.Environ() {
 		if k, _, _ := strings.Cut(kv, "="); k != EnvDir && k != EnvTopology && k != EnvVisible && k != "GORACE" {
 			cmd.Env = append(cmd.Env, kv)
@@ -509,6 +517,8 @@ func runHelper(name string) error {
 		fmt.Println("handle", handleHex(h))
 		next()
 		return nil
+	case "vmm-send":
+		return helperVMMSend(d, next)
 	case "alloc":
 		size, _ := strconv.ParseUint(os.Getenv(envHelperSize), 10, 64)
 		var p api.DevicePtr

@@ -2,6 +2,7 @@ package sim
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"sort"
 	"strconv"
@@ -25,6 +26,17 @@ const (
 	vmmVersion    = 1
 	vmmSumOffset  = 56
 	vmmMemfdName  = "cudashare-sim-vmm-"
+	// vmmSeals are set at creation: no process that holds the fd can
+	// shrink it (every mapping of the memory would then fault, SIGBUS, in
+	// whichever process touched it), grow it, or change the seals, as no
+	// process can resize a real driver's allocation. F_SEAL_WRITE is not
+	// among them: the memory is written through shared mappings.
+	vmmSeals = unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_SEAL
+	// vmmNeedSeals are the seals an import requires: without them the
+	// sender could resize the memfd under the importer's mapping.
+	vmmNeedSeals = unix.F_SEAL_SHRINK | unix.F_SEAL_GROW
+	// vmmBadSeals would make the importer's writable mapping fail.
+	vmmBadSeals = unix.F_SEAL_WRITE | unix.F_SEAL_FUTURE_WRITE
 	// vaRegion is the index of the simulated address region that address
 	// reservations come from; device regions are 0..maxDevices-1.
 	vaRegion     = maxDevices
@@ -70,30 +82,57 @@ func (d *Driver) vmmSum(b *[vmmHeaderSize]byte) uint64 {
 	return h
 }
 
+// errNotVMM is the cause of every refused import: the fd is not a VMM
+// allocation of this simulated machine, or not one that is safe to map.
+var errNotVMM = errors.New("not a VMM allocation of the simulator")
+
 // readVMMHeader reads and checks the header of an fd that claims to be a
-// VMM allocation of this machine.
-func (d *Driver) readVMMHeader(fd int) (vmmHeader, bool) {
+// VMM allocation of this machine. The error says what is wrong with it,
+// for ExplainImport.
+func (d *Driver) readVMMHeader(fd int) (vmmHeader, error) {
+	// The seals first, the size after: once F_SEAL_SHRINK is on, the size
+	// read can only be the size the mapping will see.
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return vmmHeader{}, fmt.Errorf("%w: the descriptor is not a memfd (F_GET_SEALS: %w)", errNotVMM, err)
+	}
+	if seals&vmmNeedSeals != vmmNeedSeals {
+		return vmmHeader{}, fmt.Errorf("%w: the memfd is not sealed against shrinking and growing (seals %#x): its sender could resize it under the mapping", errNotVMM, seals)
+	}
+	if seals&vmmBadSeals != 0 {
+		return vmmHeader{}, fmt.Errorf("%w: the memfd is sealed against writing (seals %#x)", errNotVMM, seals)
+	}
 	var st unix.Stat_t
-	if unix.Fstat(fd, &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size < vmmHeaderSize {
-		return vmmHeader{}, false
+	if err := unix.Fstat(fd, &st); err != nil {
+		return vmmHeader{}, fmt.Errorf("%w: fstat: %w", errNotVMM, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFREG || st.Size < vmmHeaderSize {
+		return vmmHeader{}, fmt.Errorf("%w: mode %#o, %d bytes: no %d-byte header", errNotVMM, st.Mode, st.Size, vmmHeaderSize)
 	}
 	var b [vmmHeaderSize]byte
 	if n, err := unix.Pread(fd, b[:], 0); err != nil || n != vmmHeaderSize {
-		return vmmHeader{}, false
+		return vmmHeader{}, fmt.Errorf("%w: read the header: %d bytes, %v", errNotVMM, n, err)
 	}
 	le := binary.LittleEndian
-	if string(b[0:8]) != vmmMagic || le.Uint32(b[8:]) != vmmVersion || le.Uint64(b[vmmSumOffset:]) != d.vmmSum(&b) {
-		return vmmHeader{}, false
+	if string(b[0:8]) != vmmMagic || le.Uint32(b[8:]) != vmmVersion {
+		return vmmHeader{}, fmt.Errorf("%w: header magic %q, version %d", errNotVMM, b[0:8], le.Uint32(b[8:]))
+	}
+	if le.Uint64(b[vmmSumOffset:]) != d.vmmSum(&b) {
+		return vmmHeader{}, fmt.Errorf("%w: bad header checksum (an allocation of another state directory?)", errNotVMM)
 	}
 	h := vmmHeader{
 		dev: le.Uint32(b[12:]), size: le.Uint64(b[16:]), gid: le.Uint64(b[24:]), slot: le.Uint32(b[32:]),
 		handleTypes: int32(le.Uint32(b[36:])),
 		creator:     procID{pid: int32(le.Uint32(b[40:])), inst: le.Uint32(b[44:]), start: le.Uint64(b[48:])},
 	}
-	if int(h.dev) >= len(d.m.devices) || uint64(st.Size) < vmmHeaderSize+h.size || h.slot >= regSlots {
-		return vmmHeader{}, false
+	if int(h.dev) >= len(d.m.devices) || h.slot >= regSlots {
+		return vmmHeader{}, fmt.Errorf("%w: header names device %d, registry slot %d", errNotVMM, h.dev, h.slot)
 	}
-	return h, true
+	// Exactly the header and the memory, as created: the seals keep it so.
+	if uint64(st.Size)-vmmHeaderSize != h.size {
+		return vmmHeader{}, fmt.Errorf("%w: the memfd has %d bytes, its header says %d of memory after %d", errNotVMM, st.Size, h.size, vmmHeaderSize)
+	}
+	return h, nil
 }
 
 // vmmState is a process's VMM objects. Guarded by Driver.mu.
@@ -317,17 +356,24 @@ func (d *Driver) MemCreate(handle *api.MemHandle, size uint64, prop *api.MemAllo
 	return api.Success
 }
 
+// newMemfd makes an allocation's memfd: its size, its header, then the
+// seals (vmmSeals), which every importer checks. Mode 0600, not a memfd's
+// default 0777: it is memory, not a program, and nobody else's.
 func (d *Driver) newMemfd(hdr vmmHeader) (int, error) {
-	fd, err := unix.MemfdCreate(vmmMemfdName+strconv.FormatUint(hdr.gid, 10), unix.MFD_CLOEXEC)
+	fd, err := unix.MemfdCreate(vmmMemfdName+strconv.FormatUint(hdr.gid, 10), unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		return -1, err
 	}
 	b := d.encodeVMMHeader(hdr)
-	if err := unix.Ftruncate(fd, int64(vmmHeaderSize+hdr.size)); err != nil {
+	if err := errors.Join(unix.Ftruncate(fd, int64(vmmHeaderSize+hdr.size)), unix.Fchmod(fd, 0o600)); err != nil {
 		unix.Close(fd)
 		return -1, err
 	}
 	if _, err := unix.Pwrite(fd, b[:], 0); err != nil {
+		unix.Close(fd)
+		return -1, err
+	}
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, vmmSeals); err != nil {
 		unix.Close(fd)
 		return -1, err
 	}
@@ -398,7 +444,11 @@ func (d *Driver) MemExportToShareableHandle(shareableHandle unsafe.Pointer, hand
 // allocation of this simulated machine is CUDA_ERROR_UNKNOWN, as driver 580
 // on an H100 answers for an fd of /dev/null (measured; the page lists
 // CUDA_ERROR_INVALID_VALUE); a fabric handle CUDA_ERROR_NOT_SUPPORTED
-// (unverified). Each import makes a new handle, to be released on its own.
+// (unverified). So is a memfd with the right header that is not sealed
+// against shrinking and growing, or not exactly the header and the memory
+// in size: mapping it would let its sender make every access fault
+// (SIGBUS) by shrinking it. ExplainImport says which check failed. Each
+// import makes a new handle, to be released on its own.
 func (d *Driver) MemImportFromShareableHandle(handle *api.MemHandle, osHandle uintptr, handleType int32) api.Result {
 	if r := d.ready(); r != api.Success {
 		return r
@@ -421,8 +471,8 @@ func (d *Driver) MemImportFromShareableHandle(handle *api.MemHandle, osHandle ui
 		return r
 	}
 	defer d.mu.Unlock()
-	hdr, ok := d.readVMMHeader(fd)
-	if !ok {
+	hdr, err := d.readVMMHeader(fd)
+	if err != nil {
 		return api.ErrorUnknown
 	}
 	if hdr.handleTypes&api.MemHandleTypePosixFileDescriptor == 0 {
@@ -434,6 +484,29 @@ func (d *Driver) MemImportFromShareableHandle(handle *api.MemHandle, osHandle ui
 	}
 	*handle = d.newHandle(own, hdr, false)
 	return api.Success
+}
+
+// ExplainImport implements api.ImportExplainer: why
+// MemImportFromShareableHandle refuses the fd osHandle, or nil. The
+// CUresult cannot say it, and a user whose peer sent an unsealed memfd
+// must be told that, not just CUDA_ERROR_UNKNOWN.
+func (d *Driver) ExplainImport(osHandle uintptr, handleType int32) error {
+	fd := int(int32(osHandle))
+	if handleType != api.MemHandleTypePosixFileDescriptor || uint64(osHandle) > 1<<31-1 || fd < 0 {
+		return nil
+	}
+	if d.rlock() != api.Success {
+		return nil
+	}
+	defer d.mu.RUnlock()
+	hdr, err := d.readVMMHeader(fd)
+	if err != nil {
+		return err
+	}
+	if hdr.handleTypes&api.MemHandleTypePosixFileDescriptor == 0 {
+		return fmt.Errorf("allocation %d was not created exportable as a file descriptor", hdr.gid)
+	}
+	return nil
 }
 
 // MemAddressReserve implements api.API. size must be a non-zero multiple of
