@@ -39,13 +39,13 @@ func (e *Exporter) readBackground(stopped bool) (ended bool) {
 	seen := e.rd.begun.Load()
 	ctx := context.Background()
 	for {
-		if stopped && e.readersGone() {
-			return true
-		}
 		if !stopped && isClosed(e.done) {
 			return false // read on as the stopped reader
 		}
 		e.readAll()
+		if stopped && e.readersGone() {
+			return true
+		}
 		if !stopped && e.rd.wanted(seen) {
 			return false
 		}
