@@ -185,8 +185,15 @@ func (c *Conn) fill(ctx context.Context, avail int) error {
 		if err := c.tryWait(avail); err != nil {
 			return err
 		}
-		if c.poller.Load() != nil && !c.sockReady.Load() && c.err0() == nil {
-			return errWouldBlock // the Poller has not seen the socket readable
+		if c.poller.Load() != nil {
+			if c.err0() != nil {
+				// Failed or closed by this side: nothing more is read, and
+				// the socket may leave the Poller's set without a word.
+				return c.failure()
+			}
+			if !c.sockReady.Load() {
+				return errWouldBlock // the Poller has not seen the socket readable
+			}
 		}
 		n, end, err = c.readSocketNow(c.rbuf[c.w:])
 		if err == errWouldBlock {

@@ -50,7 +50,10 @@ func (c *Conn) fillRing(ctx context.Context, avail int) error {
 			return c.endErr(avail, c.sockEnd)
 		}
 		if c.try {
-			if c.poller.Load() != nil && (c.sockReady.Swap(false) || c.err0() != nil) {
+			if c.poller.Load() != nil && c.err0() != nil {
+				return c.failure() // as fill says
+			}
+			if c.poller.Load() != nil && c.sockReady.Swap(false) {
 				// The socket has doorbells, an error or its end: take
 				// them, then look at the ring again.
 				if err := c.drainSocket(); err != nil {
