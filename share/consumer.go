@@ -45,6 +45,7 @@ type consumer struct {
 	freeSlots   []uint32
 	voided      []voidedOffer                   // offers in flight that its loss or drop voided
 	allocs      map[*allocRec]*mapping          // allocations it may map
+	ringLeases  map[*Ring]int                   // its leases in each ring, all allocations of it together
 	events      map[transport.Handle]*consEvent // its release events, opened once
 	active      bool                            // in the rotation
 	saidBye     bool                            // it said goodbye: everything it held is void
@@ -212,6 +213,9 @@ func (e *Exporter) acceptLoop() {
 			e: e, conn: conn, peer: peer,
 			window: conn.Credits(),
 			allocs: make(map[*allocRec]*mapping),
+			// A broadcast asks per consumer: a ring of many VMM
+			// allocations is one count, not a walk of allocs.
+			ringLeases: make(map[*Ring]int),
 			events: make(map[transport.Handle]*consEvent),
 			done:   make(chan struct{}),
 			// Fixed for the connection: read without the lock.
@@ -351,6 +355,9 @@ func (e *Exporter) unmapLeaseLocked(c *consumer, b *Buffer) {
 	if m := c.allocs[b.rec]; m != nil {
 		m.leases--
 		m.bytes -= b.size
+		if r := b.rec.ring; r != nil {
+			c.ringLeases[r]--
+		}
 	}
 }
 

@@ -256,14 +256,7 @@ func (e *Exporter) takesLocked(c *consumer, b *Buffer) bool {
 		return true
 	}
 	if r := b.rec.ring; r != nil {
-		// Its leases in every allocation of the ring.
-		n := 0
-		for rec, m := range c.allocs {
-			if rec.ring == r {
-				n += m.leases
-			}
-		}
-		return 2*n < len(r.bufs)
+		return 2*c.ringLeases[r] < len(r.bufs)
 	}
 	m := c.allocs[b.rec]
 	if m == nil || m.leases == 0 {
@@ -409,6 +402,9 @@ func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64, _ *ma
 	}
 	m.leases++
 	m.bytes += b.size
+	if r := b.rec.ring; r != nil {
+		c.ringLeases[r]++
+	}
 	return uint64(s.gen)<<32 | uint64(idx), b.rec.offers, m
 }
 

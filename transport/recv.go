@@ -185,19 +185,20 @@ func (c *Conn) fill(ctx context.Context, avail int) error {
 		if err := c.tryWait(avail); err != nil {
 			return err
 		}
-		if c.poller.Load() != nil {
-			if c.err0() != nil {
-				// Failed or closed by this side: nothing more is read, and
-				// the socket may leave the Poller's set without a word.
-				return c.failure()
-			}
-			if !c.sockReady.Load() {
-				return errWouldBlock // the Poller has not seen the socket readable
-			}
+		polled := c.poller.Load() != nil
+		failed := polled && c.err0() != nil
+		if polled && !failed && !c.sockReady.Load() {
+			return errWouldBlock // the Poller has not seen the socket readable
 		}
 		n, end, err = c.readSocketNow(c.rbuf[c.w:])
 		if err == errWouldBlock {
 			c.sockReady.Store(false)
+			if failed {
+				// Failed by this side, and what the peer sent before is
+				// read (a write that failed leaves the socket open for
+				// it): nothing more comes, and no event may say so.
+				return c.failure()
+			}
 		}
 	} else if err = c.armWait(ctx, avail); err == nil {
 		n, end, err = c.readSocket(ctx, c.rbuf[c.w:], avail)

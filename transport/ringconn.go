@@ -50,16 +50,21 @@ func (c *Conn) fillRing(ctx context.Context, avail int) error {
 			return c.endErr(avail, c.sockEnd)
 		}
 		if c.try {
-			if c.poller.Load() != nil && c.err0() != nil {
-				return c.failure() // as fill says
-			}
-			if c.poller.Load() != nil && c.sockReady.Swap(false) {
-				// The socket has doorbells, an error or its end: take
-				// them, then look at the ring again.
-				if err := c.drainSocket(); err != nil {
-					return err
+			if c.poller.Load() != nil {
+				failed := c.err0() != nil
+				if c.sockReady.Swap(false) || failed {
+					// The socket has doorbells, an error or its end: take
+					// them, then look at the ring again. A connection
+					// this side failed gets no more events: once both are
+					// read, it says so (as fill does).
+					if err := c.drainSocket(); err != nil {
+						return err
+					}
+					if failed && c.sockEnd == 0 && !c.ring.in.ready() {
+						return c.failure()
+					}
+					continue
 				}
-				continue
 			}
 			if err := c.tryWait(avail); err != nil {
 				return err
