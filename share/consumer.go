@@ -216,8 +216,8 @@ func (e *Exporter) acceptLoop() {
 			// A broadcast asks per consumer: a ring of many VMM
 			// allocations is one count, not a walk of allocs.
 			ringLeases: make(map[*Ring]int),
-			events: make(map[transport.Handle]*consEvent),
-			done:   make(chan struct{}),
+			events:     make(map[transport.Handle]*consEvent),
+			done:       make(chan struct{}),
 			// Fixed for the connection: read without the lock.
 			noEvents: peer.PID == 0,
 		}
