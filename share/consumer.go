@@ -45,6 +45,7 @@ type consumer struct {
 	freeSlots   []uint32
 	voided      []voidedOffer                   // offers in flight that its loss or drop voided
 	allocs      map[*allocRec]*mapping          // allocations it may map
+	ringLeases  map[*Ring]int                   // its leases in each ring, all allocations of it together
 	events      map[transport.Handle]*consEvent // its release events, opened once
 	active      bool                            // in the rotation
 	saidBye     bool                            // it said goodbye: everything it held is void
@@ -60,13 +61,6 @@ type consumer struct {
 	abandoned   int                             // VMM buffers given up to it when it was lost
 
 	done chan struct{} // closed when its connection has ended
-
-	// The reading of its connection (consreader.go): whoever holds rd's
-	// token reads it, into msg, and sets readDone at its end. rd counts
-	// the Acquires that wait on it.
-	rd       handover
-	msg      transport.Message
-	readDone bool
 
 	// sendMu orders the offers of VMM allocations to it, so that the one
 	// carrying an allocation's fd reaches it first (sendFD).
@@ -219,12 +213,14 @@ func (e *Exporter) acceptLoop() {
 			e: e, conn: conn, peer: peer,
 			window: conn.Credits(),
 			allocs: make(map[*allocRec]*mapping),
-			events: make(map[transport.Handle]*consEvent),
-			done:   make(chan struct{}),
+			// A broadcast asks per consumer: a ring of many VMM
+			// allocations is one count, not a walk of allocs.
+			ringLeases: make(map[*Ring]int),
+			events:     make(map[transport.Handle]*consEvent),
+			done:       make(chan struct{}),
 			// Fixed for the connection: read without the lock.
 			noEvents: peer.PID == 0,
 		}
-		c.rd.init(conn.Interrupt)
 		e.mu.Lock()
 		if e.closing {
 			e.mu.Unlock()
@@ -236,14 +232,14 @@ func (e *Exporter) acceptLoop() {
 		e.watchLocked(c, int(peer.PID))
 		e.conns[c] = struct{}{}
 		e.consumers = append(e.consumers, c)
-		e.soleLocked()
 		c.active = true
+		// The reader takes it in on its next pass.
+		e.joining = append(e.joining, c)
+		e.joined.Add(1)
 		e.notifyLocked(&e.changed)
 		e.notifyLocked(&e.creditWait)
 		e.mu.Unlock()
 		e.log.Info("share: consumer connected", "peer", peer.String(), "credits", c.window)
-		e.wg.Add(1)
-		go c.readLoop()
 	}
 }
 
@@ -273,8 +269,6 @@ func (e *Exporter) kick(c *consumer, why error) {
 func (e *Exporter) onRelease(c *consumer, seqs []uint64, after *consEvent) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	e.handling = c
-	defer func() { e.handling = nil }()
 	defer e.notifyLocked(&e.creditWait)
 	for _, seq := range seqs {
 		idx := uint32(seq)
@@ -361,6 +355,9 @@ func (e *Exporter) unmapLeaseLocked(c *consumer, b *Buffer) {
 	if m := c.allocs[b.rec]; m != nil {
 		m.leases--
 		m.bytes -= b.size
+		if r := b.rec.ring; r != nil {
+			c.ringLeases[r]--
+		}
 	}
 }
 
@@ -402,7 +399,6 @@ func (e *Exporter) deactivateLocked(c *consumer) {
 	c.active = false
 	if i := slices.Index(e.consumers, c); i >= 0 {
 		e.consumers = slices.Delete(e.consumers, i, i+1)
-		e.soleLocked()
 		if e.rr > i {
 			e.rr--
 		}

@@ -20,8 +20,6 @@ func (e *Exporter) onGone(c *consumer, err error) {
 	c.conn.Close()
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	e.handling = c
-	defer func() { e.handling = nil }()
 	e.deactivateLocked(c)
 	c.ended = true
 	if c.proc != nil {

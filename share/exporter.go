@@ -120,11 +120,24 @@ type Exporter struct {
 	wg        sync.WaitGroup
 	done      chan struct{} // closed by Close
 	closeOnce sync.Once
-	// sole is the only consumer taking offers, if there is one (set under
-	// mu); reading, the consumer whose connection a wait of the producer's
-	// reads or is about to (consreader.go).
-	sole, reading atomic.Pointer[consumer]
-	notified      atomic.Uint64 // notifyLocked calls
+	// The reading of every consumer's connection (exporter_read.go):
+	// whoever holds rd's token reads them all through poll. reading is set
+	// while a producer's wait reads or is about to; notified counts
+	// notifyLocked calls, which end such a wait.
+	rd       handover
+	poll     *transport.Poller
+	reading  atomic.Bool
+	notified atomic.Uint64
+	// The token's holder's: the connections it reads, where the last pass
+	// began, passes made, and the message being handled.
+	readers       []*consumer
+	start, passes int
+	msg           transport.Message
+	// Consumers that connected, for the token's holder to take in
+	// (joining, under mu); joined counts them, taken those taken in.
+	joining []*consumer
+	joined  atomic.Uint64
+	taken   uint64
 
 	mu          sync.Mutex
 	closing     bool                   // no more offers or buffers
@@ -140,7 +153,6 @@ type Exporter struct {
 	maxLeases   uint64                  // ExporterConfig.MaxLeasesPerConsumer; 0: none
 	epoch       uint64                  // the lease clock: ticks of leaseJanitor
 	creditWait  chan struct{}           // closed when a credit may have come free; made by a waiter
-	handling    *consumer               // whose message is being handled, by its connection's reader
 	changed     chan struct{}           // closed on any other change waiters watch
 	stats       ExporterStats
 
@@ -230,8 +242,17 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 	if err != nil {
 		return nil, err
 	}
+	spin := cfg.RingSpin
+	if spin == 0 {
+		spin = transport.DefaultConfig(transport.RoleProducer).RingSpin
+	}
+	poll, err := transport.NewPoller(spin)
+	if err != nil {
+		return nil, fmt.Errorf("share: NewExporter: %w", err)
+	}
 	ln, err := transport.Listen(ctx, path, tcfg)
 	if err != nil {
+		poll.Close()
 		return nil, err
 	}
 	log.Info("share: exporter sharing path", "sharing", sharing.String(), "why", why)
@@ -240,6 +261,7 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 		dctx:    dctx,
 		dev:     dev,
 		ln:      ln,
+		poll:    poll,
 		log:     log,
 		peerLog: ln.PeerLogger(),
 		done:    make(chan struct{}),
@@ -252,7 +274,9 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 		maxLeases: uint64(cfg.MaxLeasesPerConsumer),
 	}
 	e.life, e.cancel = context.WithCancel(context.Background())
-	e.wg.Add(1)
+	e.rd.init(poll.Wake)
+	e.wg.Add(2)
+	go e.readLoop()
 	go e.acceptLoop()
 	if leaseTimeout > 0 {
 		e.wg.Add(1)

@@ -157,7 +157,7 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 			break
 		}
 		// Credit, a new consumer and a lost one all wake creditWait.
-		if err := e.waitLocked(ctx, &e.creditWait); err != nil {
+		if err := e.waitReadingLocked(ctx, &e.creditWait); err != nil {
 			return 0, err
 		}
 	}
@@ -232,7 +232,7 @@ func (e *Exporter) roomLocked(ctx context.Context, c *consumer, b *Buffer, deadl
 			*deadline = time.Now().Add(BroadcastGrace)
 		}
 		wctx, cancel := context.WithDeadline(ctx, *deadline)
-		err := e.waitLocked(wctx, &e.creditWait)
+		err := e.waitReadingLocked(wctx, &e.creditWait)
 		cancel()
 		switch {
 		case ctx.Err() != nil:
@@ -256,14 +256,7 @@ func (e *Exporter) takesLocked(c *consumer, b *Buffer) bool {
 		return true
 	}
 	if r := b.rec.ring; r != nil {
-		// Its leases in every allocation of the ring.
-		n := 0
-		for rec, m := range c.allocs {
-			if rec.ring == r {
-				n += m.leases
-			}
-		}
-		return 2*n < len(r.bufs)
+		return 2*c.ringLeases[r] < len(r.bufs)
 	}
 	m := c.allocs[b.rec]
 	if m == nil || m.leases == 0 {
@@ -409,6 +402,9 @@ func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64, _ *ma
 	}
 	m.leases++
 	m.bytes += b.size
+	if r := b.rec.ring; r != nil {
+		c.ringLeases[r]++
+	}
 	return uint64(s.gen)<<32 | uint64(idx), b.rec.offers, m
 }
 

@@ -243,6 +243,7 @@ func (e *Exporter) Close() error {
 			c.conn.Close()
 		}
 		e.wg.Wait()
+		e.poll.Close()
 
 		e.mu.Lock()
 		defer e.mu.Unlock()

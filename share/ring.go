@@ -113,9 +113,10 @@ func (r *Ring) AcquireOn(ctx context.Context, s *driver.Stream) (*Buffer, error)
 	}
 }
 
-// next takes a buffer from the free list, waiting for one. While the
-// producer has one consumer, the goroutine waiting reads the consumer's
-// connection itself, for the release that frees a buffer (consreader.go).
+// next takes a buffer from the free list, waiting for one. Unless another
+// wait reads already, the goroutine waiting reads every consumer's
+// connection itself, for the release that frees a buffer
+// (exporter_read.go).
 func (r *Ring) next(ctx context.Context) (*Buffer, error) {
 	select {
 	case b := <-r.free:
@@ -123,13 +124,12 @@ func (r *Ring) next(ctx context.Context) (*Buffer, error) {
 	default:
 	}
 	e := r.e
-	var c *consumer
-	var tok chan struct{} // nil: wait for the connections' readers
-	if c = e.sole.Load(); c != nil && e.reading.CompareAndSwap(nil, c) {
-		defer e.reading.CompareAndSwap(c, nil)
-		c.rd.begin()
-		defer c.rd.end()
-		tok = c.rd.tok
+	var tok chan struct{} // nil: wait for the reader
+	if e.reading.CompareAndSwap(false, true) {
+		defer e.reading.Store(false)
+		e.rd.begin()
+		defer e.rd.end()
+		tok = e.rd.tok
 	}
 	ready := func() bool { return len(r.free) > 0 || isClosed(r.dead) }
 	for {
@@ -159,8 +159,10 @@ func (r *Ring) next(ctx context.Context) (*Buffer, error) {
 				return nil, ErrClosed
 			}
 		}
-		ended := e.readUntil(ctx, c, ready)
-		c.rd.give()
+		if !ready() {
+			e.readUntil(ctx, ready)
+		}
+		e.rd.give()
 		// One-case select with a default, after the length: neither
 		// locks a channel that is empty and open.
 		if len(r.free) > 0 {
@@ -170,7 +172,7 @@ func (r *Ring) next(ctx context.Context) (*Buffer, error) {
 			default:
 			}
 		}
-		if ended || isClosed(r.dead) || isClosed(e.done) {
+		if isClosed(r.dead) || isClosed(e.done) {
 			tok = nil // the select says which
 		}
 		if err := ctx.Err(); err != nil {

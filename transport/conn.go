@@ -83,6 +83,13 @@ type Conn struct {
 	gap      time.Duration
 	askRing  bool
 	ringGone bool // unmapped by Close; under rmu and ringMu
+	// A Poller's, if one watches the connection (poller.go): sockReady
+	// says the socket may have bytes (epoll said so, or the connection
+	// failed), so that TryRecv makes no system call for a socket that has
+	// none; pollFD is the socket's number in the Poller's epoll set.
+	poller    atomic.Pointer[Poller]
+	sockReady atomic.Bool
+	pollFD    int32
 	// sleeps counts this side's sleeps on the ring it reads, carriers
 	// the reads of the socket that brought descriptors, and bells the
 	// doorbells read: a peer that keeps the rules rings at most once per
@@ -315,6 +322,11 @@ func (c *Conn) setFailure(err error) (first bool, cause error) {
 	c.err = err
 	close(c.dying)
 	c.wakeLocked()
+	if p := c.poller.Load(); p != nil {
+		// Its next TryRecv reads the socket, and says why it ended.
+		c.sockReady.Store(true)
+		p.Wake()
+	}
 	return true, err
 }
 

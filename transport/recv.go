@@ -182,7 +182,24 @@ func (c *Conn) fill(ctx context.Context, avail int) error {
 	var n, end int
 	var err error
 	if c.try {
+		if err := c.tryWait(avail); err != nil {
+			return err
+		}
+		polled := c.poller.Load() != nil
+		failed := polled && c.err0() != nil
+		if polled && !failed && !c.sockReady.Load() {
+			return errWouldBlock // the Poller has not seen the socket readable
+		}
 		n, end, err = c.readSocketNow(c.rbuf[c.w:])
+		if err == errWouldBlock {
+			c.sockReady.Store(false)
+			if failed {
+				// Failed by this side, and what the peer sent before is
+				// read (a write that failed leaves the socket open for
+				// it): nothing more comes, and no event may say so.
+				return c.failure()
+			}
+		}
 	} else if err = c.armWait(ctx, avail); err == nil {
 		n, end, err = c.readSocket(ctx, c.rbuf[c.w:], avail)
 	}
@@ -194,6 +211,22 @@ func (c *Conn) fill(ctx context.Context, avail int) error {
 	}
 	c.w += n
 	c.grewFull()
+	return nil
+}
+
+// tryWait is what TryRecv does instead of waiting for the rest of a
+// partial frame (avail bytes of it buffered): the frame must still come
+// whole within FrameTimeout of its first wait, as Recv's would.
+func (c *Conn) tryWait(avail int) error {
+	if avail == 0 || c.handshaking {
+		return nil
+	}
+	now := time.Now()
+	if c.frameStart.IsZero() {
+		c.frameStart = now
+	} else if now.Sub(c.frameStart) >= c.cfg.FrameTimeout {
+		return fmt.Errorf("%w: a frame cut off after %d bytes for %v (FrameTimeout)", ErrTimeout, avail, c.cfg.FrameTimeout)
+	}
 	return nil
 }
 

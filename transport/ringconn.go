@@ -50,6 +50,25 @@ func (c *Conn) fillRing(ctx context.Context, avail int) error {
 			return c.endErr(avail, c.sockEnd)
 		}
 		if c.try {
+			if c.poller.Load() != nil {
+				failed := c.err0() != nil
+				if c.sockReady.Swap(false) || failed {
+					// The socket has doorbells, an error or its end: take
+					// them, then look at the ring again. A connection
+					// this side failed gets no more events: once both are
+					// read, it says so (as fill does).
+					if err := c.drainSocket(); err != nil {
+						return err
+					}
+					if failed && c.sockEnd == 0 && !c.ring.in.ready() {
+						return c.failure()
+					}
+					continue
+				}
+			}
+			if err := c.tryWait(avail); err != nil {
+				return err
+			}
 			return errWouldBlock
 		}
 		if waited.IsZero() {
@@ -185,6 +204,25 @@ func (c *Conn) socketFrames() error {
 	}
 	if c.sr == c.sw {
 		c.sr, c.sw = 0, 0
+	}
+	return nil
+}
+
+// drainSocket takes, without waiting, all the socket of a ring connection
+// has: doorbells, descriptors, an error message, its end.
+func (c *Conn) drainSocket() error {
+	for c.sockEnd == 0 {
+		c.roomInSocketBuf()
+		n, end, err := c.readSocketNow(c.sbuf[c.sw:])
+		if err == errWouldBlock {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if err := c.socketRead(n, end); err != nil {
+			return err
+		}
 	}
 	return nil
 }

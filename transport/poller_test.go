@@ -1,0 +1,271 @@
+//go:build linux
+
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+)
+
+// pollAll is a producer's reading loop over a Poller: it takes what every
+// connection has, and waits when none has anything, until done says so.
+// It returns the messages taken per connection and how each ended (nil:
+// it has not).
+func pollAll(t *testing.T, p *Poller, conns []*Conn, done func(got []int, ended []error) bool) (got []int, ended []error) {
+	t.Helper()
+	ctx := testCtx(t)
+	got = make([]int, len(conns))
+	ended = make([]error, len(conns))
+	var m Message
+	for !done(got, ended) {
+		for i, c := range conns {
+			if ended[i] != nil {
+				continue
+			}
+			for {
+				ok, err := c.TryRecv(&m)
+				if err != nil {
+					ended[i] = err
+					p.Remove(c)
+					break
+				}
+				if !ok {
+					break
+				}
+				got[i]++
+			}
+		}
+		if done(got, ended) {
+			break
+		}
+		if err := p.Wait(ctx); err != nil {
+			t.Fatalf("Wait: %v (got %v, ended %v)", err, got, ended)
+		}
+	}
+	return got, ended
+}
+
+// TestPollerReadsEveryConn: one goroutine reads many consumers through a
+// Poller, on rings and on sockets: every release comes, whenever each
+// consumer sends it (at once, or after it slept long enough for the
+// reader to sleep too); then consumers that close, with a goodbye or
+// without, end their connection's TryRecv with the right error.
+func TestPollerReadsEveryConn(t *testing.T) {
+	for _, ring := range []bool{true, false} {
+		t.Run(fmt.Sprintf("ring=%v", ring), func(t *testing.T) {
+			checkNoFDLeak(t)
+			const n, per = 12, 40
+			pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
+			pcfg.DisableRing, ccfg.DisableRing = !ring, !ring
+			ccfg.Credits = 4
+			l := listen(t, pcfg)
+			ctx := testCtx(t)
+			p, err := NewPoller(50 * time.Microsecond)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.Close()
+			prods := make([]*Conn, n)
+			conss := make([]*Conn, n)
+			for i := range n {
+				if conss[i], err = Dial(ctx, l.Addr(), ccfg); err != nil {
+					t.Fatal(err)
+				}
+				defer conss[i].Close()
+				if prods[i], err = l.Accept(ctx); err != nil {
+					t.Fatal(err)
+				}
+				defer prods[i].Close()
+				if prods[i].Ring() != ring {
+					t.Fatalf("ring mode %v, want %v", prods[i].Ring(), ring)
+				}
+				if err := p.Add(prods[i]); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if p.Len() != n {
+				t.Fatalf("Len %d, want %d", p.Len(), n)
+			}
+			// Each consumer releases what it is offered, at once or
+			// after a pause.
+			var wg sync.WaitGroup
+			for i, c := range conss {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					rng := rand.New(rand.NewPCG(uint64(i), 7))
+					var m Message
+					for range per {
+						if err := c.Recv(ctx, &m); err != nil {
+							t.Errorf("consumer %d: %v", i, err)
+							return
+						}
+						if rng.IntN(4) == 0 {
+							time.Sleep(time.Duration(rng.IntN(3000)) * time.Microsecond)
+						}
+						if err := c.SendRelease(ctx, m.Offer.Seq); err != nil {
+							t.Errorf("consumer %d: %v", i, err)
+							return
+						}
+					}
+				}()
+			}
+			// The producer offers per times to each, within its credits,
+			// reading the releases through the Poller alone.
+			o := testOffer()
+			sent := make([]int, n)
+			got := make([]int, n)
+			var m Message
+			for total := 0; total < n*per; {
+				for i, c := range prods {
+					for sent[i] < per && sent[i]-got[i] < int(ccfg.Credits) {
+						o.Seq = uint64(sent[i] + 1)
+						if err := c.SendOffer(ctx, &o); err != nil {
+							t.Fatal(err)
+						}
+						sent[i]++
+					}
+				}
+				progressed := false
+				for i, c := range prods {
+					for {
+						ok, err := c.TryRecv(&m)
+						if err != nil {
+							t.Fatalf("conn %d: %v", i, err)
+						}
+						if !ok {
+							break
+						}
+						if m.Kind != KindRelease {
+							t.Fatalf("conn %d: %v, want release", i, m.Kind)
+						}
+						got[i] += len(m.Seqs)
+						total += len(m.Seqs)
+						progressed = true
+					}
+				}
+				if !progressed && total < n*per {
+					if err := p.Wait(ctx); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+			wg.Wait()
+			// Half leave with a goodbye, half without: each end is seen.
+			for i, c := range conss {
+				if i%2 == 0 {
+					if err := c.SendGoodbye(ctx, "done"); err != nil {
+						t.Fatal(err)
+					}
+				}
+				c.Close()
+			}
+			_, ended := pollAll(t, p, prods, func(_ []int, ended []error) bool {
+				for _, e := range ended {
+					if e == nil {
+						return false
+					}
+				}
+				return true
+			})
+			for i, err := range ended {
+				if i%2 == 0 && !errors.Is(err, io.EOF) {
+					t.Errorf("conn %d after a goodbye: %v, want io.EOF", i, err)
+				}
+				if i%2 == 1 && !errors.Is(err, ErrDisconnected) {
+					t.Errorf("conn %d closed without a goodbye: %v, want ErrDisconnected", i, err)
+				}
+			}
+			if p.Len() != 0 {
+				t.Errorf("Len %d after every Remove", p.Len())
+			}
+		})
+	}
+}
+
+// TestPollerWake: Wait returns for Wake, from any goroutine, and when its
+// context ends; a Wake before Wait is not lost; a connection closed by
+// another goroutine while the reader sleeps wakes it, and its TryRecv says
+// it is closed.
+func TestPollerWake(t *testing.T) {
+	checkNoFDLeak(t)
+	p, err := NewPoller(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	ctx := testCtx(t)
+	p.Wake()
+	if err := p.Wait(ctx); err != nil {
+		t.Fatalf("Wait after Wake: %v", err)
+	}
+	go func() {
+		time.Sleep(20 * time.Millisecond) // long enough that Wait sleeps: the condition under test
+		p.Wake()
+	}()
+	if err := p.Wait(ctx); err != nil {
+		t.Fatalf("Wait woken: %v", err)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	go func() {
+		time.Sleep(20 * time.Millisecond)
+		cancel()
+	}()
+	if err := p.Wait(cctx); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Wait whose context ended: %v", err)
+	}
+
+	prod, _ := pair(t, testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil))
+	if err := p.Add(prod); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Add(prod); err == nil {
+		t.Fatal("a second Add of one connection was accepted")
+	}
+	go func() {
+		time.Sleep(20 * time.Millisecond)
+		prod.Close()
+	}()
+	_, ended := pollAll(t, p, []*Conn{prod}, func(_ []int, ended []error) bool { return ended[0] != nil })
+	if !errors.Is(ended[0], ErrClosed) {
+		t.Fatalf("TryRecv of a connection closed under the Poller: %v, want ErrClosed", ended[0])
+	}
+}
+
+// TestPollerFrameTimeout: a peer that sends half a frame and stops is
+// failed once FrameTimeout has passed, as a Recv would fail it, although
+// nothing more ever arrives to wake the Poller.
+func TestPollerFrameTimeout(t *testing.T) {
+	cfg := testConfig(RoleProducer, nil)
+	cfg.DisableRing = true
+	cfg.FrameTimeout = 300 * time.Millisecond
+	l := listen(t, cfg)
+	ctx := testCtx(t)
+	raw := rawDial(t, filepath.Clean(l.Addr()))
+	go raw.hello(RoleConsumer, 4, 0)
+	prod, err := l.Accept(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer prod.Close()
+	p, err := NewPoller(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	if err := p.Add(prod); err != nil {
+		t.Fatal(err)
+	}
+	raw.write([]byte{0, 0, 0, 10, 0x93})
+	_, ended := pollAll(t, p, []*Conn{prod}, func(_ []int, ended []error) bool { return ended[0] != nil })
+	if !errors.Is(ended[0], ErrTimeout) {
+		t.Fatalf("half a frame under the Poller: %v, want ErrTimeout", ended[0])
+	}
+}
