@@ -8,7 +8,7 @@
 #
 #   bash bench/fanout.sh [-seconds N] [-n "1 2 4 8 16 32"] [-broadcast-n "1 2 4 8"]
 #                        [-bin DIR] [-label PREFIX] [-spread] [-no-mesh] [-shm true|false]
-#                        [-profile "16 b8"]
+#                        [-profile "16 b8"] [-ring N] [-credits N]
 #   (device tool: run(command="bash bench/fanout.sh -seconds 3", carry=[".gpu"]))
 #
 # Each row prints: handoffs/s in all (sum of the consumers' rates), the
@@ -35,6 +35,8 @@ spread=0
 mesh=1
 shm=true
 profile=""
+ring=64
+credits=8
 while [ $# -gt 0 ]; do
 	case $1 in
 	-seconds) secs=$2; shift 2 ;;
@@ -46,6 +48,8 @@ while [ $# -gt 0 ]; do
 	-no-mesh) mesh=0; shift ;;
 	-shm) shm=$2; shift 2 ;;
 	-profile) profile=" $2 "; shift 2 ;;
+	-ring) ring=$2; shift 2 ;;
+	-credits) credits=$2; shift 2 ;;
 	*) echo "fanout.sh: unknown argument $1" >&2; exit 2 ;;
 	esac
 done
@@ -96,12 +100,12 @@ row() {
 	local sock="$dir/$name.sock" pids=() cj=() prof=()
 	[[ $profile == *" $key "* ]] && prof=(-cpuprofile "$OUT/$name.producer.pprof")
 	timeout -k 5 "$limit" "$BIN/producer" -socket "$sock" -device "$pdev" -duration "${secs}s" -consumers "$n" \
-		-wait 60s -ring 64 -size 1MiB -fill=false -shm="$shm" -json "${prof[@]}" "$@" >"$OUT/$name.producer.json" 2>"$OUT/$name.producer.log" &
+		-wait 60s -ring "$ring" -size 1MiB -fill=false -shm="$shm" -json "${prof[@]}" "$@" >"$OUT/$name.producer.json" 2>"$OUT/$name.producer.log" &
 	local ppid=$!
 	for i in $(seq 0 $((n - 1))); do
 		local cdev=$pdev
 		[ $spread = 1 ] && cdev=$((i % gpus))
-		timeout -k 5 "$limit" "$BIN/consumer" -socket "$sock" -device "$cdev" -wait 60s -verify none -credits 8 \
+		timeout -k 5 "$limit" "$BIN/consumer" -socket "$sock" -device "$cdev" -wait 60s -verify none -credits "$credits" \
 			-workers 1 -json >"$OUT/$name.c$i.json" 2>"$OUT/$name.c$i.log" &
 		pids+=($!)
 		cj+=("$OUT/$name.c$i.json")
@@ -111,7 +115,7 @@ row() {
 	summarize "$label$name" "$OUT/$name.producer.json" "${cj[@]}"
 }
 
-echo "fan-out: ring of 64 x 1 MiB, handoff alone, consumers -credits 8 -workers 1, ${secs}s a row, $gpus GPU(s), shm=$shm, bin $BIN"
+echo "fan-out: ring of $ring x 1 MiB, handoff alone, consumers -credits $credits -workers 1, ${secs}s a row, $gpus GPU(s), shm=$shm, bin $BIN"
 echo
 echo "| row | consumers | handoffs/s in all | per consumer min / max (min/max) | producer CPU µs a batch | consumer CPU µs a handoff |"
 echo "| --- | ---: | ---: | ---: | ---: | ---: |"

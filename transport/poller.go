@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"runtime"
 	"sync/atomic"
 	"time"
 
@@ -215,7 +214,7 @@ func (p *Poller) spinRings(start time.Time) bool {
 		if i%16 == 0 && time.Now().After(until) {
 			return false
 		}
-		runtime.Gosched()
+		spinPause(i)
 	}
 }
 

@@ -120,7 +120,23 @@ func (c *Conn) spinRing(ctx context.Context, start time.Time) bool {
 				}
 			}
 		}
-		runtime.Gosched()
+		spinPause(i)
+	}
+}
+
+// spinPause is one pause of a spin on a ring: it lets this process's
+// other goroutines run and, every few looks, other processes' threads too.
+// A spin that only yields to goroutines keeps its core from every other
+// process; with more busy processes than cores (a producer and sixteen
+// consumers on sixteen), the spinning consumers then starve the producer
+// whose messages they wait for. sched_yield(2) gives the core to a thread
+// that is ready to run on it, and returns at once when none is. The first
+// looks, a few microseconds, only yield to goroutines: a message that
+// comes that soon (one busy consumer) is taken with no system call.
+func spinPause(i int) {
+	runtime.Gosched()
+	if i > 64 && i%4 == 0 {
+		unix.Syscall(unix.SYS_SCHED_YIELD, 0, 0, 0)
 	}
 }
 
