@@ -137,7 +137,9 @@ func (p *Poller) Wake() {
 // Wait returns when a watched connection may have a message (TryRecv
 // says), Wake is called, a partial frame's FrameTimeout passes (TryRecv
 // then fails it), or ctx ends (then with ctx's error). It may return with
-// nothing new.
+// nothing new. Like a level-triggered epoll, it does not sleep while a
+// connection whose socket was readable, or that failed, has not been read
+// by TryRecv since: a connection whose TryRecv failed must be removed.
 func (p *Poller) Wait(ctx context.Context) error {
 	if p.closed {
 		return ErrClosed
@@ -172,7 +174,12 @@ func (p *Poller) Wait(ctx context.Context) error {
 		}
 		r, dl := c.armPoll()
 		armed++
-		ready = r
+		// A socket epoll said was readable, or a connection that failed,
+		// that no TryRecv has taken since: its Wake may be spent (the
+		// caller's pass did not reach it), and a socket closed by this
+		// side left the epoll set with no event. TryRecv clears the mark
+		// once it has read all there is.
+		ready = r || c.sockReady.Load()
 		if !dl.IsZero() && (deadline.IsZero() || dl.Before(deadline)) {
 			deadline = dl
 		}

@@ -269,3 +269,59 @@ func TestPollerFrameTimeout(t *testing.T) {
 		t.Fatalf("half a frame under the Poller: %v, want ErrTimeout", ended[0])
 	}
 }
+
+// TestPollerWaitsNotOnAClosedConnUnread: the Wake of a connection closed
+// by this side is the only word of its end (its socket left the epoll set
+// with no event). A reader that took that Wake but did not look at the
+// connection in the pass after it (a shrinking list skipped it: a reader
+// that ended another connection in the same pass) must not sleep for
+// ever in its next Wait: a connection whose end is untaken keeps Wait
+// from sleeping, as a socket with bytes unread does.
+func TestPollerWaitsNotOnAClosedConnUnread(t *testing.T) {
+	for _, ring := range []bool{true, false} {
+		t.Run(fmt.Sprintf("ring=%v", ring), func(t *testing.T) {
+			pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
+			pcfg.DisableRing, ccfg.DisableRing = !ring, !ring
+			p, err := NewPoller(0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.Close()
+			a, _ := pair(t, pcfg, ccfg)
+			b, _ := pair(t, pcfg, ccfg)
+			for _, c := range []*Conn{a, b} {
+				if err := p.Add(c); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// Both are read to their (empty) present.
+			var m Message
+			for _, c := range []*Conn{a, b} {
+				if ok, err := c.TryRecv(&m); ok || err != nil {
+					t.Fatalf("TryRecv of an idle connection: %v, %v", ok, err)
+				}
+			}
+			a.Close()
+			b.Close()
+			ctx := testCtx(t)
+			if err := p.Wait(ctx); err != nil {
+				t.Fatalf("Wait after the closes: %v", err)
+			}
+			// The pass after it takes a's end only.
+			if _, err := a.TryRecv(&m); !errors.Is(err, ErrClosed) {
+				t.Fatalf("TryRecv of a closed connection: %v, want ErrClosed", err)
+			}
+			p.Remove(a)
+			// b's end is still to be taken: Wait returns (the watchdog
+			// only ends a Wait that would sleep for ever).
+			wctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+			defer cancel()
+			if err := p.Wait(wctx); err != nil {
+				t.Fatalf("Wait with a closed connection unread: %v, want nil (it slept)", err)
+			}
+			if _, err := b.TryRecv(&m); !errors.Is(err, ErrClosed) {
+				t.Fatalf("TryRecv of a closed connection: %v, want ErrClosed", err)
+			}
+		})
+	}
+}
