@@ -90,6 +90,13 @@ type Conn struct {
 	poller    atomic.Pointer[Poller]
 	sockReady atomic.Bool
 	pollFD    int32
+	// ended is set once this side's failure of the connection is
+	// complete: the peer told why, if it was to be, and the socket closed
+	// (or left open for what the peer sent before it went). A polled
+	// TryRecv reports the failure from then on, not before, so that a
+	// reader that ends the connection cannot close the socket under the
+	// error message still being written.
+	ended atomic.Bool
 	// sleeps counts this side's sleeps on the ring it reads, carriers
 	// the reads of the socket that brought descriptors, and bells the
 	// doorbells read: a peer that keeps the rules rings at most once per
@@ -307,7 +314,20 @@ func (c *Conn) fail(err error, notify bool) error {
 		}
 	}
 	c.nc.Close()
+	c.endPolled()
 	return err
+}
+
+// endPolled marks this side's failure of the connection complete, and
+// wakes the Poller that watches it, if any: its next TryRecv reads what
+// is left and says why it ended (the socket may have left the epoll set
+// without an event).
+func (c *Conn) endPolled() {
+	c.ended.Store(true)
+	if p := c.poller.Load(); p != nil {
+		c.sockReady.Store(true)
+		p.Wake()
+	}
 }
 
 // setFailure records err as the connection's failure if it is the first:
@@ -322,11 +342,6 @@ func (c *Conn) setFailure(err error) (first bool, cause error) {
 	c.err = err
 	close(c.dying)
 	c.wakeLocked()
-	if p := c.poller.Load(); p != nil {
-		// Its next TryRecv reads the socket, and says why it ended.
-		c.sockReady.Store(true)
-		p.Wake()
-	}
 	return true, err
 }
 

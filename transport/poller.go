@@ -32,6 +32,7 @@ type Poller struct {
 	byFD       map[int32]*Conn
 	events     []unix.EpollEvent
 	spin       time.Duration
+	rings      int           // connections with a ring: none, no spin
 	gap        time.Duration // how long the last sleep lasted: no spin after long ones
 	// sleeping is set while Wait sleeps or is about to; woken by Wake.
 	// Each side stores its own word before it loads the other's, so one
@@ -89,8 +90,11 @@ func (p *Poller) Add(c *Conn) error {
 	c.sockReady.Store(true)
 	p.byFD[fd] = c
 	p.conns = append(p.conns, c)
+	if c.ring != nil {
+		p.rings++
+	}
 	c.pollFD = fd
-	if c.err0() != nil {
+	if c.ended.Load() {
 		p.Wake()
 	}
 	return nil
@@ -107,6 +111,9 @@ func (p *Poller) Remove(c *Conn) {
 			p.conns[i] = p.conns[last]
 			p.conns[last] = nil
 			p.conns = p.conns[:last]
+			if c.ring != nil {
+				p.rings--
+			}
 			break
 		}
 	}
@@ -161,7 +168,7 @@ func (p *Poller) Wait(ctx context.Context) error {
 		return err
 	}
 	start := time.Now()
-	if p.spin > 0 && p.gap <= 4*p.spin && p.spinRings(start) {
+	if p.spin > 0 && p.rings > 0 && p.gap <= 4*p.spin && p.spinRings(start) {
 		return nil
 	}
 	p.sleeping.Swap(true)
@@ -315,15 +322,4 @@ func (c *Conn) ringHasBytes() bool {
 	}
 	defer c.rmu.Unlock()
 	return c.ring != nil && !c.ringGone && !c.handshaking && c.ring.in.ready()
-}
-
-// err0 is Err without the wait for the lock of a sender: whether the
-// connection has failed.
-func (c *Conn) err0() error {
-	select {
-	case <-c.dying:
-		return ErrClosed
-	default:
-		return nil
-	}
 }

@@ -325,3 +325,46 @@ func TestPollerWaitsNotOnAClosedConnUnread(t *testing.T) {
 		})
 	}
 }
+
+// TestPollerKickToldWhy: a connection failed with a reason by another
+// goroutine (a producer's lease janitor) while a reader polls it, and the
+// reader closes it as soon as its TryRecv fails (as a producer does when a
+// consumer ends): the peer is still told why, every time. The reader must
+// not see the failure before the error message is written.
+func TestPollerKickToldWhy(t *testing.T) {
+	for _, ring := range []bool{true, false} {
+		t.Run(fmt.Sprintf("ring=%v", ring), func(t *testing.T) {
+			pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
+			pcfg.DisableRing, ccfg.DisableRing = !ring, !ring
+			l := listen(t, pcfg)
+			ctx := testCtx(t)
+			p, err := NewPoller(0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.Close()
+			for i := range 100 {
+				cons, err := Dial(ctx, l.Addr(), ccfg)
+				if err != nil {
+					t.Fatal(err)
+				}
+				prod, err := l.Accept(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := p.Add(prod); err != nil {
+					t.Fatal(err)
+				}
+				go prod.CloseWithError(fmt.Errorf("%w: held a lease too long", ErrTimeout))
+				pollAll(t, p, []*Conn{prod}, func(_ []int, ended []error) bool { return ended[0] != nil })
+				prod.Close() // what the reader does at once
+				var m Message
+				err = cons.Recv(ctx, &m)
+				if !errors.Is(err, ErrTimeout) {
+					t.Fatalf("connection %d: the peer got %v, want the reason (ErrTimeout)", i, err)
+				}
+				cons.Close()
+			}
+		})
+	}
+}

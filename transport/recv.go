@@ -186,7 +186,7 @@ func (c *Conn) fill(ctx context.Context, avail int) error {
 			return err
 		}
 		polled := c.poller.Load() != nil
-		failed := polled && c.err0() != nil
+		failed := polled && c.ended.Load()
 		if polled && !failed && !c.sockReady.Load() {
 			return errWouldBlock // the Poller has not seen the socket readable
 		}

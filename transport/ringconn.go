@@ -51,7 +51,7 @@ func (c *Conn) fillRing(ctx context.Context, avail int) error {
 		}
 		if c.try {
 			if c.poller.Load() != nil {
-				failed := c.err0() != nil
+				failed := c.ended.Load()
 				if c.sockReady.Swap(false) || failed {
 					// The socket has doorbells, an error or its end: take
 					// them, then look at the ring again. A connection

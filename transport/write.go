@@ -225,6 +225,7 @@ func (c *Conn) writeFailed(err error) {
 		// The peer is gone, but what it sent before it went, a goodbye
 		// say, is still to be read: leave the socket to Recv and Close.
 		c.setFailure(err)
+		c.endPolled()
 		return
 	}
 	// A peer that left the ring unread (stopped, say), or broke the
