@@ -12,7 +12,7 @@ import (
 // This file is how the producer reads its consumers' messages: one
 // goroutine at a time reads every connection, through one
 // transport.Poller, and handles each message where it reads it. The
-// reader is whoever holds the exporter's reading token (handover.go):
+// reader is whoever holds the exporter's reading token (read_token.go):
 //
 //   - a producer's wait (Ring.Acquire for a buffer, Offer and Broadcast for
 //     credit, Arena.Alloc for room, Buffer.WaitOn), which reads until what

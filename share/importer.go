@@ -86,7 +86,7 @@ const (
 // goroutine involved; once Next has not been called for a moment, a
 // goroutine of the importer's own reads instead, queueing offers for Next
 // and answering the producer's retires as soon as no lease is in the
-// allocation, whether or not anyone calls Next (reader.go).
+// allocation, whether or not anyone calls Next (importer_read.go).
 type Importer struct {
 	dctx   *driver.Context
 	dev    driver.UUID
@@ -102,7 +102,7 @@ type Importer struct {
 	bgDone   chan struct{} // closed when the background reader has returned
 	leaked   atomic.Uint64
 
-	// The reading (reader.go): whoever holds rd's token reads the
+	// The reading (importer_read.go): whoever holds rd's token reads the
 	// connection, into msg, and sets readDone at its end. rd counts the
 	// goroutines waiting in Next.
 	rd       handover
@@ -321,7 +321,7 @@ func (im *Importer) NextOn(ctx context.Context, s *driver.Stream) (*Lease, error
 }
 
 // wait waits for the next lease with none queued: it reads the
-// connection itself while nobody else does (reader.go); direct says it
+// connection itself while nobody else does (importer_read.go); direct says it
 // did.
 func (im *Importer) wait(ctx context.Context) (_ *Lease, direct bool, _ error) {
 	im.rd.begin()

@@ -57,7 +57,7 @@ func (im *Importer) endLocked(err error) {
 		im.ending.Store(true)
 		im.ended = err
 		close(im.stop)
-		// A Next that reads the connection returns (reader.go).
+		// A Next that reads the connection returns (importer_read.go).
 		im.conn.Interrupt()
 	}
 }

@@ -14,7 +14,7 @@ import (
 
 // With one consumer connected, a goroutine waiting in Ring.Acquire,
 // Arena.Alloc or Offer reads the consumer's connection itself
-// (consreader.go). These tests make it wait while the consumer holds what
+// (exporter_read.go). These tests make it wait while the consumer holds what
 // it waits for, then end the wait every way it can end: the consumer's
 // release, room or a buffer freed by another goroutine or another
 // consumer's end, the exporter's Close, the context.

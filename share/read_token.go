@@ -9,24 +9,27 @@ import (
 	"time"
 )
 
-// handover passes the reading of one connection between the goroutines
-// that wait for what it brings (Importer.Next for offers, Ring.Acquire for
-// releases) and a background reader. One goroutine reads at a time:
-// whoever takes the token.
+// handover passes the reading of a side's connections between the
+// goroutines that wait for what they bring and a background reader: on
+// the consumer's side one connection (Importer.Next waits for offers), on
+// the producer's side every consumer's, through one transport.Poller
+// (Ring.Acquire, Offer, Broadcast, Arena.Alloc and Buffer.WaitOn wait for
+// releases; exporter_read.go). One goroutine reads at a time: whoever
+// takes the token.
 //
 //   - A goroutine that has to wait takes the token, if it is free, and
-//     reads the connection itself until what it waits for comes: no other
-//     goroutine is woken and no thread is crossed per message, which is
-//     what the handoff costs otherwise (bench/RESULTS.md: GOMAXPROCS=1 made
-//     it 1.4-2x faster on two H200s). It waits as before, for a goroutine
+//     reads itself until what it waits for comes: no other goroutine is
+//     woken and no thread is crossed per message, which is what the
+//     handoff costs otherwise (bench/RESULTS.md: GOMAXPROCS=1 made it
+//     1.4-2x faster on two H200s). It waits as before, for a goroutine
 //     that reads, when the token is taken.
 //   - The background reader takes the token once no wait has begun for
 //     handoverAfter, so that what must be answered while nobody waits
 //     (retires, goodbyes, a peer's end, releases that free a consumer's
 //     credit) is, and gives it back as soon as a wait begins again: the
-//     wait interrupts its receive (transport.Conn.Interrupt). Once stop is
-//     closed, it reads whenever the token is free, until the connection
-//     ends.
+//     wait interrupts its receive (intr: transport.Conn.Interrupt, or the
+//     Poller's Wake). Once stop is closed, it reads whenever the token is
+//     free, until the connections end.
 type handover struct {
 	tok     chan struct{}
 	begun   atomic.Uint64 // waits begun

@@ -11,7 +11,7 @@ import (
 )
 
 // This file is who reads the producer's messages: Next, while the
-// application keeps calling it, or the background reader (handover.go).
+// application keeps calling it, or the background reader (read_token.go).
 // Once the importer has stopped (Shutdown, Close, the producer gone), Next
 // reads no more and the background reader reads until the connection
 // ends.

@@ -14,7 +14,7 @@ import (
 )
 
 // The reading of the producer's connection moves between Next and the
-// background reader (reader.go). These tests run a consumer that calls
+// background reader (importer_read.go). These tests run a consumer that calls
 // Next back to back, so that Next reads the connection itself, and then
 // stops calling it, or stops the importer, or cancels, while a Next reads.
 
