@@ -96,28 +96,10 @@ func rawProducer(ce *ChildEnv) error {
 	for i := range offers {
 		o := &offers[i]
 		o.AllocSize, o.Size, o.Device, o.Meta = exportedSize, 4096, dev, Meta(7)
-		if err := conn.SendOffer(ctx, o); err != nil {
-			return err
-		}
 	}
-	var rep RawReport
-	var m transport.Message
-	for rep.Releases < len(offers) {
-		if err := conn.Recv(ctx, &m); err != nil {
-			return err
-		}
-		if m.Kind == transport.KindRelease {
-			rep.Releases += len(m.Seqs)
-		}
-	}
-	if err := conn.SendRetire(ctx, 1); err != nil {
+	rep, err := offerThenRetire(ctx, conn, offers, 1)
+	if err != nil {
 		return err
-	}
-	for !rep.Closed {
-		if err := conn.Recv(ctx, &m); err != nil {
-			return err
-		}
-		rep.Closed = m.Kind == transport.KindClosed && m.AllocID == 1
 	}
 	if err := ce.Ctx.Free(p); err != nil {
 		rep.FreeErr = err.Error()
@@ -521,28 +503,10 @@ func unsealedProducer(ce *ChildEnv) error {
 		o := &offers[i]
 		o.Handle[0] = byte(o.AllocID)
 		o.HandleKind, o.AllocSize, o.Size, o.Device, o.Meta = transport.HandleFD, size, 4096, dev, Meta(3)
-		if err := conn.SendOffer(ctx, o); err != nil {
-			return err
-		}
 	}
-	var rep RawReport
-	var msg transport.Message
-	for rep.Releases < len(offers) {
-		if err := conn.Recv(ctx, &msg); err != nil {
-			return err
-		}
-		if msg.Kind == transport.KindRelease {
-			rep.Releases += len(msg.Seqs)
-		}
-	}
-	if err := conn.SendRetire(ctx, 2); err != nil {
+	rep, err := offerThenRetire(ctx, conn, offers, 2)
+	if err != nil {
 		return err
-	}
-	for !rep.Closed {
-		if err := conn.Recv(ctx, &msg); err != nil {
-			return err
-		}
-		rep.Closed = msg.Kind == transport.KindClosed && msg.AllocID == 2
 	}
 	conn.Shutdown(ctx, "unsealed producer done")
 	report(rep)
@@ -570,4 +534,34 @@ func unsealedCopy(fd int, size uint64) (int, error) {
 		return -1, err
 	}
 	return forged, nil
+}
+
+// offerThenRetire sends offers, waits until the consumer has released
+// every one it took, retires allocation retire and waits for its closed.
+func offerThenRetire(ctx context.Context, conn *transport.Conn, offers []transport.Offer, retire uint64) (RawReport, error) {
+	var rep RawReport
+	for i := range offers {
+		if err := conn.SendOffer(ctx, &offers[i]); err != nil {
+			return rep, err
+		}
+	}
+	var m transport.Message
+	for rep.Releases < len(offers) {
+		if err := conn.Recv(ctx, &m); err != nil {
+			return rep, err
+		}
+		if m.Kind == transport.KindRelease {
+			rep.Releases += len(m.Seqs)
+		}
+	}
+	if err := conn.SendRetire(ctx, retire); err != nil {
+		return rep, err
+	}
+	for !rep.Closed {
+		if err := conn.Recv(ctx, &m); err != nil {
+			return rep, err
+		}
+		rep.Closed = m.Kind == transport.KindClosed && m.AllocID == retire
+	}
+	return rep, nil
 }
