@@ -32,26 +32,8 @@ func TestConsumerErrorLogged(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer e.Close()
-	r, err := e.NewRing(1, 256)
-	if err != nil {
-		t.Fatal(err)
-	}
-	conn := dialIn(t, e, 1, false)
+	conn, m := lendOne(t, e)
 	defer conn.Close()
-	b, err := r.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := e.Offer(ctx, b, share.OfferOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	var m transport.Message
-	if err := conn.Recv(ctx, &m); err != nil || m.Kind != transport.KindOffer {
-		t.Fatalf("Recv: %v, %v; want an offer", err, m.Kind)
-	}
-	for _, fd := range m.Offer.FDs {
-		unix.Close(fd)
-	}
 	// What the Go consumer does when an import fails: release, then say
 	// why (here it ends the connection with it, as the Python one does).
 	if err := conn.SendRelease(ctx, m.Offer.Seq); err != nil {
@@ -89,26 +71,8 @@ func TestUnopenableReleaseEvent(t *testing.T) {
 	ctx := sharetest.Ctx(t)
 	e := newExporterWith(t, env, share.ExporterConfig{})
 	defer e.Close() // before the leak check dialIn arms
-	r, err := e.NewRing(1, 256)
-	if err != nil {
-		t.Fatal(err)
-	}
-	conn := dialIn(t, e, 1, false)
+	conn, m := lendOne(t, e)
 	defer conn.Close()
-	b, err := r.Acquire(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := e.Offer(ctx, b, share.OfferOptions{}); err != nil {
-		t.Fatal(err)
-	}
-	var m transport.Message
-	if err := conn.Recv(ctx, &m); err != nil || m.Kind != transport.KindOffer {
-		t.Fatalf("Recv: %v, %v; want an offer", err, m.Kind)
-	}
-	for _, fd := range m.Offer.FDs {
-		unix.Close(fd)
-	}
 	var bogus transport.Handle
 	for i := range bogus {
 		bogus[i] = byte(i*7 + 1) // no event's handle
@@ -116,6 +80,7 @@ func TestUnopenableReleaseEvent(t *testing.T) {
 	if err := conn.SendReleaseAfter(ctx, bogus, m.Offer.Seq); err != nil {
 		t.Fatal(err)
 	}
+	var err error
 	for err == nil {
 		err = conn.Recv(ctx, &m)
 	}
@@ -127,4 +92,35 @@ func TestUnopenableReleaseEvent(t *testing.T) {
 		t.Errorf("the error does not say what was wrong: %q", remote.Message)
 	}
 	waitUntil(t, "the consumer dropped", func() bool { return e.Stats().ConsumersDropped == 1 })
+}
+
+// lendOne connects a raw consumer with one credit to e, lends it one
+// buffer of a new ring and returns the connection and the offer it
+// received (its descriptors closed).
+func lendOne(t *testing.T, e *share.Exporter) (*transport.Conn, transport.Message) {
+	t.Helper()
+	ctx := sharetest.Ctx(t)
+	r, err := e.NewRing(1, 256)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := dialIn(t, e, 1, false)
+	b, err := r.Acquire(ctx)
+	if err != nil {
+		conn.Close()
+		t.Fatal(err)
+	}
+	if err := e.Offer(ctx, b, share.OfferOptions{}); err != nil {
+		conn.Close()
+		t.Fatal(err)
+	}
+	var m transport.Message
+	if err := conn.Recv(ctx, &m); err != nil || m.Kind != transport.KindOffer {
+		conn.Close()
+		t.Fatalf("Recv: %v, %v; want an offer", err, m.Kind)
+	}
+	for _, fd := range m.Offer.FDs {
+		unix.Close(fd)
+	}
+	return conn, m
 }

@@ -126,9 +126,6 @@ func (p *Poller) Remove(c *Conn) {
 	c.poller.Store(nil)
 }
 
-// Len returns the number of connections watched.
-func (p *Poller) Len() int { return len(p.conns) }
-
 // Wake makes the Wait under way, or else the next one, return. It costs
 // two atomic operations unless Wait sleeps, and then one write(2).
 func (p *Poller) Wake() {

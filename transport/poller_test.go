@@ -90,8 +90,8 @@ func TestPollerReadsEveryConn(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			if p.Len() != n {
-				t.Fatalf("Len %d, want %d", p.Len(), n)
+			if len(p.conns) != n {
+				t.Fatalf("Len %d, want %d", len(p.conns), n)
 			}
 			// Each consumer releases what it is offered, at once or
 			// after a pause.
@@ -183,8 +183,8 @@ func TestPollerReadsEveryConn(t *testing.T) {
 					t.Errorf("conn %d closed without a goodbye: %v, want ErrDisconnected", i, err)
 				}
 			}
-			if p.Len() != 0 {
-				t.Errorf("Len %d after every Remove", p.Len())
+			if len(p.conns) != 0 {
+				t.Errorf("Len %d after every Remove", len(p.conns))
 			}
 		})
 	}
