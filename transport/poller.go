@@ -166,6 +166,7 @@ func (p *Poller) Wait(ctx context.Context) error {
 	}
 	start := time.Now()
 	if p.spin > 0 && p.rings > 0 && p.gap <= 4*p.spin && p.spinRings(start) {
+		p.unwatchShort(ctx)
 		return nil
 	}
 	p.sleeping.Swap(true)
@@ -202,10 +203,22 @@ func (p *Poller) Wait(ctx context.Context) error {
 		c.disarmPoll()
 	}
 	p.gap = time.Since(start)
+	p.unwatchShort(ctx)
 	if err != nil {
 		return err
 	}
 	return ctx.Err()
+}
+
+// unwatchShort stops watching ctx if it has a deadline: such a context is
+// likely one wait's (a broadcast's grace), and unwatched its cancel costs
+// no goroutine and no Wake. A context without one stays watched for the
+// next Wait, at no cost per Wait.
+func (p *Poller) unwatchShort(ctx context.Context) {
+	if _, ok := ctx.Deadline(); ok && p.watchStop != nil {
+		p.watchStop()
+		p.watchStop, p.watchDone = nil, nil
+	}
 }
 
 // spinRings polls the rings, yielding between looks, for up to spin; it
