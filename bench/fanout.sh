@@ -8,7 +8,7 @@
 #
 #   bash bench/fanout.sh [-seconds N] [-n "1 2 4 8 16 32"] [-broadcast-n "1 2 4 8"]
 #                        [-bin DIR] [-label PREFIX] [-spread] [-no-mesh] [-shm true|false]
-#                        [-profile "16 b8"] [-ring N] [-credits N]
+#                        [-profile "16 b8"] [-ring N] [-credits N] [-gpus N]
 #   (device tool: run(command="bash bench/fanout.sh -seconds 3", carry=[".gpu"]))
 #
 # Each row prints: handoffs/s in all (sum of the consumers' rates), the
@@ -20,7 +20,8 @@
 # (the producer stays on GPU 0); -bin runs another build (to compare two
 # commits in one call); -profile writes the producer's CPU profile
 # ($OUT/NAME.producer.pprof) of the rows named by their consumer count ("b8":
-# broadcast to 8). Without a GPU it runs on the simulated driver.
+# broadcast to 8); -gpus sets the number of GPUs (default: nvidia-smi's count;
+# with the simulator, CUDASHARE_SIM_TOPOLOGY=N makes N). Without a GPU it runs on the simulated driver.
 # JSON of every process goes to $OUT (or a temporary directory), a markdown
 # table to stdout. Every process runs under timeout.
 set -uo pipefail
@@ -37,6 +38,7 @@ shm=true
 profile=""
 ring=64
 credits=8
+gpus=""
 while [ $# -gt 0 ]; do
 	case $1 in
 	-seconds) secs=$2; shift 2 ;;
@@ -50,12 +52,13 @@ while [ $# -gt 0 ]; do
 	-profile) profile=" $2 "; shift 2 ;;
 	-ring) ring=$2; shift 2 ;;
 	-credits) credits=$2; shift 2 ;;
+	-gpus) gpus=$2; shift 2 ;;
 	*) echo "fanout.sh: unknown argument $1" >&2; exit 2 ;;
 	esac
 done
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
-gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+[ -n "$gpus" ] || gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 [ "${gpus:-0}" -ge 1 ] || gpus=1
 dir=$(mktemp -d /tmp/cudashare-fanout.XXXXXX)
 chmod 700 "$dir"
