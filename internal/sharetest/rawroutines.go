@@ -41,6 +41,18 @@ func rawListen(ctx context.Context, ce *ChildEnv) (*transport.Listener, transpor
 	return ln, dev, nil
 }
 
+// rawAcceptOne is rawListen for a routine that serves one consumer: it
+// returns that consumer's connection and stops listening.
+func rawAcceptOne(ctx context.Context, ce *ChildEnv) (*transport.Conn, transport.UUID, error) {
+	ln, dev, err := rawListen(ctx, ce)
+	if err != nil {
+		return nil, dev, err
+	}
+	defer ln.Close()
+	conn, err := ln.Accept(ctx)
+	return conn, dev, err
+}
+
 // exportedSize is the size of the allocations the raw routines export.
 const exportedSize = 1 << 20
 
@@ -72,12 +84,7 @@ func exportedAlloc(ce *ChildEnv, batch uint64) (driver.DevicePtr, driver.IpcMemH
 func rawProducer(ce *ChildEnv) error {
 	ctx, cancel := context.WithTimeout(context.Background(), ExpectTimeout)
 	defer cancel()
-	ln, dev, err := rawListen(ctx, ce)
-	if err != nil {
-		return err
-	}
-	defer ln.Close()
-	conn, err := ln.Accept(ctx)
+	conn, dev, err := rawAcceptOne(ctx, ce)
 	if err != nil {
 		return err
 	}
@@ -458,12 +465,7 @@ func closeAll(fds []int) {
 func unsealedProducer(ce *ChildEnv) error {
 	ctx, cancel := context.WithTimeout(context.Background(), ExpectTimeout)
 	defer cancel()
-	ln, dev, err := rawListen(ctx, ce)
-	if err != nil {
-		return err
-	}
-	defer ln.Close()
-	conn, err := ln.Accept(ctx)
+	conn, dev, err := rawAcceptOne(ctx, ce)
 	if err != nil {
 		return err
 	}
