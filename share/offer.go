@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
@@ -93,6 +94,14 @@ func (e *Exporter) lendLocked(ctx context.Context, c *consumer, b *Buffer, opts 
 	}
 	e.mu.Lock()
 	e.finishLocked(c, b, seq, err)
+	return e.settleLocked(ctx, c, onConn, err)
+}
+
+// settleLocked tells what a send of an offer to c that ended with err
+// means: lent (err is nil), the caller's error, or c's connection failed
+// under the send (c is then deactivated, and neither is reported: the
+// caller passes the buffer to another consumer, or skips c). mu held.
+func (e *Exporter) settleLocked(ctx context.Context, c *consumer, onConn bool, err error) (bool, error) {
 	switch {
 	case err == nil:
 		return true, nil
@@ -161,21 +170,46 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 			return 0, err
 		}
 	}
-	targets := slices.Clone(e.consumers)
 	// Pin b: a consumer that releases quickly must not return it to its
 	// ring (or free it) while the broadcast is still going.
 	b.sending++
 	b.rec.sending++
 	defer e.unpinLocked(b) // runs before the deferred Unlock
 
-	record := true
-	n := 0
-	var deadline time.Time // of the grace, from the first wait
 	// A consumer lost meanwhile may abandon b (its allocation is then
 	// replaced and retired): that ends the broadcast, not as the
 	// producer's error.
 	wasAbandoned := b.abandoned
-	for _, c := range targets {
+	sc := broadcastScratch.Get().(*broadcastPass)
+	defer sc.put()
+
+	// First every consumer that can take b now, in one pass: their offers
+	// reserved under one hold of mu, sent without it, settled under one
+	// more. The cost per consumer reached is then the send's own, not a
+	// lock and an unlock of the exporter each (a broadcast to many is
+	// bound by the producer's CPU).
+	for _, c := range e.consumers {
+		switch {
+		case e.takesLocked(c, b):
+			c.lagging = false
+			seq, gen, m := e.reserveLocked(c, b)
+			sc.now = append(sc.now, broadcastOffer{c: c, seq: seq, gen: gen, m: m})
+		case c.lagging:
+			e.stats.BroadcastMissed++
+		default:
+			sc.later = append(sc.later, c) // given the grace below
+		}
+	}
+	n, err := e.sendAllLocked(ctx, b, &opts, sc.now)
+	if err != nil || b.abandoned && !wasAbandoned {
+		return n, err
+	}
+
+	// Then those at their limit, one at a time, each given up to the
+	// broadcast's grace to make room.
+	record := n == 0
+	var deadline time.Time // of the grace, from the first wait
+	for _, c := range sc.later {
 		if err := e.lendableLocked(b); err != nil {
 			if b.abandoned && !wasAbandoned {
 				return n, nil
@@ -204,6 +238,82 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 		}
 	}
 	return n, nil
+}
+
+// broadcastOffer is one reserved offer of a broadcast's first pass.
+type broadcastOffer struct {
+	c        *consumer
+	seq, gen uint64
+	m        *mapping
+	onConn   bool
+	err      error
+}
+
+// broadcastPass is a broadcast's scratch, reused so that a broadcast
+// allocates nothing.
+type broadcastPass struct {
+	now   []broadcastOffer
+	later []*consumer
+}
+
+var broadcastScratch = sync.Pool{New: func() any { return new(broadcastPass) }}
+
+// put clears p (it must not keep consumers alive) and returns it to the pool.
+func (p *broadcastPass) put() {
+	clear(p.now)
+	clear(p.later)
+	p.now, p.later = p.now[:0], p.later[:0]
+	broadcastScratch.Put(p)
+}
+
+// sendAllLocked sends the reserved offers of b, with mu released, the
+// event recorded once (by the first send), and settles every one: it
+// returns how many went out, and the first error that is the producer's
+// (a consumer whose connection failed under its send is dropped and
+// skipped, as lendLocked does). mu held on entry and on return.
+func (e *Exporter) sendAllLocked(ctx context.Context, b *Buffer, opts *OfferOptions, offers []broadcastOffer) (int, error) {
+	if len(offers) == 0 {
+		return 0, nil
+	}
+	ev := b.ev
+	e.mu.Unlock()
+	record := true
+	var stop error // a failure of the offer itself: no more are sent
+	for i := range offers {
+		o := &offers[i]
+		if stop != nil {
+			o.err = stop
+			continue
+		}
+		if testHookBeforeSend != nil {
+			testHookBeforeSend(o.c)
+		}
+		o.onConn, o.err = e.send(ctx, o.c, b, o.m, o.seq, o.gen, ev, opts, record)
+		if testHookAfterSend != nil {
+			testHookAfterSend(o.c)
+		}
+		switch {
+		case o.err == nil:
+			record = false
+		case !o.onConn:
+			stop = o.err
+		}
+	}
+	e.mu.Lock()
+	n := 0
+	var first error
+	for i := range offers {
+		o := &offers[i]
+		e.finishLocked(o.c, b, o.seq, o.err)
+		lent, err := e.settleLocked(ctx, o.c, o.onConn, o.err)
+		if lent {
+			n++
+		}
+		if err != nil && first == nil {
+			first = err
+		}
+	}
+	return n, first
 }
 
 // BroadcastGrace is how long Broadcast waits for a consumer that keeps up

@@ -155,10 +155,7 @@ func TestRingBadHeadTold(t *testing.T) {
 				defer unix.Close(fd)
 				o.FDs = []int{fd}
 			}
-			err := prod.SendOffer(ctx, &o)
-			if err == nil {
-				err = prod.Flush(ctx)
-			}
+			err := sendUntilHeadLooked(ctx, prod, &o)
 			if !errors.Is(err, ErrMalformed) {
 				t.Fatalf("send: %v, want ErrMalformed", err)
 			}
@@ -167,6 +164,25 @@ func TestRingBadHeadTold(t *testing.T) {
 			}
 		})
 	}
+}
+
+// sendUntilHeadLooked sends copies of o, with growing sequence numbers and
+// 2 KiB of metadata, until the
+// producer looks at the consumer's head: a writer looks only when the room
+// it saw at its last look is short (or before descriptors), so a lie is
+// found at the offer that needs the room, within one ring's worth of
+// offers. It returns the first error, or Flush's.
+func sendUntilHeadLooked(ctx context.Context, prod *Conn, o *Offer) error {
+	// Offers of 2 KiB of metadata each (a msgpack bin 16): the ring's
+	// room runs short well within the consumer's window of credits.
+	o.Meta = append([]byte{0xc5, 2048 >> 8, 2048 & 0xff}, make([]byte, 2048)...)
+	for range 2*ringSize/2048 + 1 {
+		if err := prod.SendOffer(ctx, o); err != nil {
+			return err
+		}
+		o.Seq++
+	}
+	return prod.Flush(ctx)
 }
 
 // TestRingDoorbellStorm: a consumer that rings the doorbell without

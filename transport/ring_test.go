@@ -185,10 +185,7 @@ func TestRingLyingPeer(t *testing.T) {
 			ctx := testCtx(t)
 			o := testOffer()
 			o.Seq = 77
-			err := prod.SendOffer(ctx, &o)
-			if err == nil {
-				err = prod.Flush(ctx)
-			}
+			err := sendUntilHeadLooked(ctx, prod, &o)
 			if !errors.Is(err, ErrMalformed) {
 				t.Fatalf("send: %v, want ErrMalformed", err)
 			}
