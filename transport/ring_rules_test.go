@@ -166,12 +166,12 @@ func TestRingBadHeadTold(t *testing.T) {
 	}
 }
 
-// sendUntilHeadLooked sends copies of o, with growing sequence numbers and
-// 2 KiB of metadata, until the
-// producer looks at the consumer's head: a writer looks only when the room
-// it saw at its last look is short (or before descriptors), so a lie is
-// found at the offer that needs the room, within one ring's worth of
-// offers. It returns the first error, or Flush's.
+// sendUntilHeadLooked sends copies of o, with growing sequence numbers
+// and 2 KiB of metadata, until the producer looks at the consumer's head:
+// a writer looks only when the room it saw at its last look is short (or
+// before descriptors), so a lie is found at the offer that needs the
+// room, within one ring's worth of offers. It returns the first error, or
+// Flush's.
 func sendUntilHeadLooked(ctx context.Context, prod *Conn, o *Offer) error {
 	// Offers of 2 KiB of metadata each (a msgpack bin 16): the ring's
 	// room runs short well within the consumer's window of credits.
