@@ -101,7 +101,7 @@ func LendToConsumerLostDuringSend(ctx context.Context, e *Exporter, b *Buffer, o
 // off, instead of waiting for it.
 func ExpireLeases(e *Exporter, timeout time.Duration) int {
 	e.mu.Lock()
-	e.epoch += leaseTicks + 1
+	e.clock.epoch += leaseTicks + 1
 	stuck, why := e.overdueLocked(timeout)
 	e.mu.Unlock()
 	for i, c := range stuck {
@@ -116,7 +116,7 @@ func LeasesOf(e *Exporter, pid int) int {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	n := 0
-	for _, c := range e.consumers {
+	for _, c := range e.lend.consumers {
 		if int(c.peer.PID) == pid {
 			n += int(c.out)
 		}
@@ -131,16 +131,16 @@ func CheckLeaseCounts(e *Exporter) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	var nc, rel int
-	for _, c := range e.consumers {
+	for _, c := range e.lend.consumers {
 		if c.released {
 			rel += int(c.out)
 		} else {
 			nc += int(c.out)
 		}
 	}
-	if nc != e.newcomerOut || rel != e.releasedOut {
+	if nc != e.lend.newcomerOut || rel != e.lend.releasedOut {
 		return fmt.Errorf("the exporter counts %d leases held by newcomers and %d by consumers that have released; its consumers hold %d and %d",
-			e.newcomerOut, e.releasedOut, nc, rel)
+			e.lend.newcomerOut, e.lend.releasedOut, nc, rel)
 	}
 	return nil
 }

@@ -101,6 +101,28 @@ type ExporterStats struct {
 // Exporter is the producer side: it listens on a Unix socket, accepts
 // consumers in the background, and lends them device buffers of one
 // context. See the package documentation for the guarantees.
+//
+// Its state comes in parts, each with one owner (a reader following one
+// buffer goes down this list to the wire and back up once):
+//
+//   - buffers and their allocations (allocTable, allocRec, Buffer):
+//     exporter.go, buffer.go, ring.go, arena.go, vmm.go (the descriptor
+//     path), retire.go (the end of an allocation's life); Exporter.mu;
+//   - the consumers admitted (conns, consumer): exporter_consumer.go,
+//     procwatch.go, and exporter_consumer_gone.go for their end; mu;
+//   - who takes the next offer (lending): lend_policy.go; mu;
+//   - the offer itself, from reservation to the wire and the settling of
+//     its send: offer.go (the send runs without mu);
+//   - the consumers' messages: exporter_read.go, by whoever holds the
+//     reading token (read_token.go), with no lock for its own pass state
+//     (readPass); a release or a closed is applied where it is read
+//     (exporter_consumer.go, onRelease and onClosed), under mu;
+//   - the lease deadline (leaseClock): lease_clock.go; what lost consumers
+//     keep pinned: pinned.go; mu.
+//
+// One mutex guards the parts under mu because an offer changes a
+// consumer's, a buffer's and the policy's state together; the reading and
+// the sends, where the time goes, run without it.
 type Exporter struct {
 	dctx *driver.Context
 	dev  transport.UUID
@@ -128,38 +150,45 @@ type Exporter struct {
 	poll     *transport.Poller
 	reading  atomic.Bool
 	notified atomic.Uint64
-	// The token's holder's: the connections it reads, where the last pass
-	// began, passes made, and the message being handled.
-	readers       []*consumer
-	start, passes int
-	msg           transport.Message
+	// The token's holder's (no lock: one goroutine at a time holds it).
+	pass readPass
 	// Consumers that connected, for the token's holder to take in
-	// (joining, under mu); joined counts them, taken those taken in.
+	// (joining, under mu); joined counts them, readPass.taken those taken.
 	joining []*consumer
 	joined  atomic.Uint64
-	taken   uint64
 
-	mu          sync.Mutex
-	closing     bool                   // no more offers or buffers
-	consumers   []*consumer            // taking offers, in round-robin order
-	conns       map[*consumer]struct{} // every consumer not yet dropped
-	rr          int
-	lastAllocID uint64
-	allocs      map[uint64]*allocRec
-	byBase      map[driver.DevicePtr]*allocRec
-	eventPool   []*expEvent
-	pids        map[int]*procWatch      // the watch of each consumer process
-	cevents     map[*consEvent]struct{} // consumers' release events not yet closed
-	maxLeases   uint64                  // ExporterConfig.MaxLeasesPerConsumer; 0: none
-	epoch       uint64                  // the lease clock: ticks of leaseJanitor
-	creditWait  chan struct{}           // closed when a credit may have come free; made by a waiter
-	changed     chan struct{}           // closed on any other change waiters watch
-	stats       ExporterStats
+	// mu guards what follows, and the state of every consumer, allocation
+	// and buffer of the exporter: an offer changes the three together.
+	mu         sync.Mutex
+	closing    bool                   // no more offers or buffers
+	conns      map[*consumer]struct{} // every consumer not yet dropped
+	lend       lending                // who takes the next offer (lend_policy.go)
+	recs       allocTable             // the allocations lent from (exporter.go, retire.go)
+	clock      leaseClock             // lease_clock.go
+	eventPool  []*expEvent
+	pids       map[int]*procWatch      // the watch of each consumer process
+	cevents    map[*consEvent]struct{} // consumers' release events not yet closed
+	creditWait chan struct{}           // closed when a credit may have come free; made by a waiter
+	changed    chan struct{}           // closed on any other change waiters watch
+	stats      ExporterStats
+}
 
-	// The leases held by consumers taking offers that have released none
-	// yet (newcomers), and by those that have: pickLocked keeps newcomers
-	// from taking what the others could use (consumer.released). mu.
-	newcomerOut, releasedOut int
+// readPass is the reading token's holder's state (exporter_read.go): the
+// connections it reads, where the last pass began, passes made, the
+// message being handled, and how many joined consumers it took in.
+type readPass struct {
+	readers  []*consumer
+	start, n int
+	msg      transport.Message
+	taken    uint64
+}
+
+// allocTable is every allocation the exporter lends from, by id and, for
+// registered memory, by base address. Exporter.mu.
+type allocTable struct {
+	lastID uint64 // ids are never reused by this process
+	byID   map[uint64]*allocRec
+	byBase map[driver.DevicePtr]*allocRec
 }
 
 // recState is the life of an allocation record.
@@ -266,12 +295,10 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 		peerLog: ln.PeerLogger(),
 		done:    make(chan struct{}),
 		conns:   make(map[*consumer]struct{}),
-		allocs:  make(map[uint64]*allocRec),
-		byBase:  make(map[driver.DevicePtr]*allocRec),
+		recs:    allocTable{byID: make(map[uint64]*allocRec), byBase: make(map[driver.DevicePtr]*allocRec)},
 		pids:    make(map[int]*procWatch),
 		cevents: make(map[*consEvent]struct{}),
-
-		maxLeases: uint64(cfg.MaxLeasesPerConsumer),
+		lend:    lending{maxLeases: uint64(cfg.MaxLeasesPerConsumer)},
 	}
 	e.life, e.cancel = context.WithCancel(context.Background())
 	e.rd.init(poll.Wake)
@@ -292,15 +319,15 @@ func (e *Exporter) Addr() string { return e.ln.Addr() }
 
 // newRecLocked records an allocation. mu held.
 func (e *Exporter) newRecLocked(base driver.DevicePtr, size, bufID uint64, h driver.IpcMemHandle, owned bool) *allocRec {
-	e.lastAllocID++
+	e.recs.lastID++
 	rec := &allocRec{
-		id: e.lastAllocID, base: base, size: size, bufID: bufID, handle: transport.Handle(h), owned: owned,
+		id: e.recs.lastID, base: base, size: size, bufID: bufID, handle: transport.Handle(h), owned: owned,
 		mappers: make(map[*consumer]struct{}),
 		evBufs:  make(map[*Buffer]struct{}),
 	}
-	e.allocs[rec.id] = rec
+	e.recs.byID[rec.id] = rec
 	if !owned {
-		e.byBase[base] = rec
+		e.recs.byBase[base] = rec
 	}
 	return rec
 }
@@ -343,7 +370,7 @@ func (e *Exporter) Register(p driver.DevicePtr, size uint64) (*Buffer, error) {
 			e.mu.Unlock()
 			return nil, ErrClosed
 		}
-		if rec = e.byBase[base]; rec == nil || rec.bufID != bufID {
+		if rec = e.recs.byBase[base]; rec == nil || rec.bufID != bufID {
 			rec = e.newRecLocked(base, asize, bufID, h, false)
 		}
 		e.mu.Unlock()
@@ -362,7 +389,7 @@ func (e *Exporter) registered(base driver.DevicePtr, bufID uint64) (*allocRec, e
 	if e.closing {
 		return nil, ErrClosed
 	}
-	rec := e.byBase[base]
+	rec := e.recs.byBase[base]
 	switch {
 	case rec == nil:
 		return nil, nil
@@ -373,7 +400,7 @@ func (e *Exporter) registered(base driver.DevicePtr, bufID uint64) (*allocRec, e
 	}
 	e.log.Warn("share: the allocation at this address was freed without Retire and the address reused; retiring the old record",
 		"base", fmt.Sprintf("%#x", uint64(base)), "alloc", rec.id, "old_buffer_id", rec.bufID, "new_buffer_id", bufID)
-	delete(e.byBase, base)
+	delete(e.recs.byBase, base)
 	if rec.state == recLive {
 		rec.state = recRetiring
 		e.wg.Add(1)

@@ -135,9 +135,9 @@ func (c *consumer) addOut(d int) {
 // mu held.
 func (c *consumer) classOut() *int {
 	if c.released {
-		return &c.e.releasedOut
+		return &c.e.lend.releasedOut
 	}
-	return &c.e.newcomerOut
+	return &c.e.lend.newcomerOut
 }
 
 // loadLocked is what Offer compares to pick a consumer, lowest first:
@@ -153,14 +153,6 @@ func (c *consumer) loadLocked() (lost bool, leases uint64) {
 	return false, c.out
 }
 
-// capLocked is how many leases c may hold at once.
-func (e *Exporter) capLocked(c *consumer) uint64 {
-	if e.maxLeases > 0 {
-		return min(c.window, e.maxLeases)
-	}
-	return c.window
-}
-
 // holdsLocked reports whether c holds a lease or may map an allocation.
 func (c *consumer) holdsLocked() bool { return c.out > 0 || len(c.allocs) > 0 }
 
@@ -168,14 +160,14 @@ func (c *consumer) holdsLocked() bool { return c.out > 0 || len(c.allocs) > 0 }
 func (e *Exporter) Consumers() int {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return len(e.consumers)
+	return len(e.lend.consumers)
 }
 
 // WaitConsumers waits within ctx until at least n consumers take offers.
 func (e *Exporter) WaitConsumers(ctx context.Context, n int) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	for len(e.consumers) < n {
+	for len(e.lend.consumers) < n {
 		if e.closing {
 			return ErrClosed
 		}
@@ -191,8 +183,8 @@ func (e *Exporter) Stats() ExporterStats {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	s := e.stats
-	s.Consumers = len(e.consumers)
-	s.Allocations = len(e.allocs)
+	s.Consumers = len(e.lend.consumers)
+	s.Allocations = len(e.recs.byID)
 	return s
 }
 
@@ -231,7 +223,7 @@ func (e *Exporter) acceptLoop() {
 		}
 		e.watchLocked(c, int(peer.PID))
 		e.conns[c] = struct{}{}
-		e.consumers = append(e.consumers, c)
+		e.lend.consumers = append(e.lend.consumers, c)
 		c.active = true
 		// The reader takes it in on its next pass.
 		e.joining = append(e.joining, c)
@@ -279,8 +271,8 @@ func (e *Exporter) onRelease(c *consumer, seqs []uint64, after *consEvent) error
 		if !c.released {
 			// Its first release: its leases count with the others' now.
 			if c.active {
-				e.newcomerOut -= int(c.out)
-				e.releasedOut += int(c.out)
+				e.lend.newcomerOut -= int(c.out)
+				e.lend.releasedOut += int(c.out)
 			}
 			c.released = true
 		}
@@ -369,7 +361,7 @@ func (e *Exporter) unmapLeaseLocked(c *consumer, b *Buffer) {
 func (e *Exporter) onClosed(c *consumer, allocID uint64) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	rec := e.allocs[allocID]
+	rec := e.recs.byID[allocID]
 	var m *mapping
 	if rec != nil {
 		m = c.allocs[rec]
@@ -397,13 +389,13 @@ func (e *Exporter) deactivateLocked(c *consumer) {
 	}
 	*c.classOut() -= int(c.out)
 	c.active = false
-	if i := slices.Index(e.consumers, c); i >= 0 {
-		e.consumers = slices.Delete(e.consumers, i, i+1)
-		if e.rr > i {
-			e.rr--
+	if i := slices.Index(e.lend.consumers, c); i >= 0 {
+		e.lend.consumers = slices.Delete(e.lend.consumers, i, i+1)
+		if e.lend.rr > i {
+			e.lend.rr--
 		}
-		if e.rr >= len(e.consumers) {
-			e.rr = 0
+		if e.lend.rr >= len(e.lend.consumers) {
+			e.lend.rr = 0
 		}
 	}
 	e.notifyLocked(&e.changed)

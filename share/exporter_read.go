@@ -83,38 +83,38 @@ func (e *Exporter) readUntil(ctx context.Context, ready func() bool) {
 // that no consumer's messages always wait for the others'. The token's
 // holder only.
 func (e *Exporter) readAll() {
-	if e.joined.Load() != e.taken {
+	if e.joined.Load() != e.pass.taken {
 		e.takeJoined()
 	}
-	n := len(e.readers)
+	n := len(e.pass.readers)
 	if n == 0 {
 		return
 	}
-	if e.passes++; e.passes%pollEvery == 0 {
+	if e.pass.n++; e.pass.n%pollEvery == 0 {
 		// Busy rings keep the reader from sleeping, and so from epoll's
 		// word on the sockets: an error or end on one is looked for here.
 		e.poll.Poll()
 	}
-	e.start++
-	if e.start >= n {
-		e.start = 0
+	e.pass.start++
+	if e.pass.start >= n {
+		e.pass.start = 0
 	}
 	for i := 0; i < n; i++ {
-		j := e.start + i
+		j := e.pass.start + i
 		if j >= n {
 			j -= n
 		}
-		if j >= len(e.readers) {
+		if j >= len(e.pass.readers) {
 			continue // the list shrank under this pass
 		}
-		c := e.readers[j]
+		c := e.pass.readers[j]
 		for {
-			ok, err := c.conn.TryRecv(&e.msg)
+			ok, err := c.conn.TryRecv(&e.pass.msg)
 			if !ok && err == nil {
 				break
 			}
 			if err == nil {
-				err = e.onMessage(c, &e.msg)
+				err = e.onMessage(c, &e.pass.msg)
 			}
 			if err != nil {
 				e.stopReading(c)
@@ -134,26 +134,26 @@ func (e *Exporter) takeJoined() {
 	e.mu.Lock()
 	joining := e.joining
 	e.joining = nil
-	e.taken = e.joined.Load()
+	e.pass.taken = e.joined.Load()
 	e.mu.Unlock()
 	for _, c := range joining {
 		if err := e.poll.Add(c.conn); err != nil {
 			c.readEnd(err)
 			continue
 		}
-		e.readers = append(e.readers, c)
+		e.pass.readers = append(e.pass.readers, c)
 	}
 }
 
 // stopReading takes c out of the readers' list.
 func (e *Exporter) stopReading(c *consumer) {
 	e.poll.Remove(c.conn)
-	for i, x := range e.readers {
+	for i, x := range e.pass.readers {
 		if x == c {
-			last := len(e.readers) - 1
-			e.readers[i] = e.readers[last]
-			e.readers[last] = nil
-			e.readers = e.readers[:last]
+			last := len(e.pass.readers) - 1
+			e.pass.readers[i] = e.pass.readers[last]
+			e.pass.readers[last] = nil
+			e.pass.readers = e.pass.readers[:last]
 			return
 		}
 	}
@@ -162,7 +162,7 @@ func (e *Exporter) stopReading(c *consumer) {
 // readersGone reports whether every connection has ended and no consumer
 // can join any more. The token's holder only.
 func (e *Exporter) readersGone() bool {
-	if len(e.readers) > 0 {
+	if len(e.pass.readers) > 0 {
 		return false
 	}
 	e.mu.Lock()

@@ -17,6 +17,12 @@ import (
 // offer, and the clock costs nothing per offer.
 const leaseTicks = 8
 
+// leaseClock is the lease deadline's clock: epoch counts the janitor's
+// ticks, and each lease slot remembers the tick of its offer. Exporter.mu.
+type leaseClock struct {
+	epoch uint64
+}
+
 // leaseJanitor drops consumers that hold a lease past the timeout.
 func (e *Exporter) leaseJanitor(timeout time.Duration) {
 	defer e.wg.Done()
@@ -29,7 +35,7 @@ func (e *Exporter) leaseJanitor(timeout time.Duration) {
 			return
 		}
 		e.mu.Lock()
-		e.epoch++
+		e.clock.epoch++
 		stuck, why := e.overdueLocked(timeout)
 		e.warnPinnedLocked(time.Now())
 		e.mu.Unlock()
@@ -48,7 +54,7 @@ func (e *Exporter) overdueLocked(timeout time.Duration) (stuck []*consumer, why 
 		}
 		for i := range c.slots {
 			s := &c.slots[i]
-			if s.b != nil && s.sent && e.epoch-s.epoch > leaseTicks {
+			if s.b != nil && s.sent && e.clock.epoch-s.epoch > leaseTicks {
 				stuck = append(stuck, c)
 				why = append(why, fmt.Errorf("%w: it held a lease (allocation %d, %d bytes at offset %d) longer than the producer's lease timeout of %v",
 					transport.ErrTimeout, s.b.rec.id, s.b.size, s.b.off, timeout))

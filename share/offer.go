@@ -162,7 +162,7 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 		if err := e.lendableLocked(b); err != nil {
 			return 0, err
 		}
-		if slices.ContainsFunc(e.consumers, func(c *consumer) bool { return e.takesLocked(c, b) }) {
+		if slices.ContainsFunc(e.lend.consumers, func(c *consumer) bool { return e.takesLocked(c, b) }) {
 			break
 		}
 		// Credit, a new consumer and a lost one all wake creditWait.
@@ -188,7 +188,7 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 	// more. The cost per consumer reached is then the send's own, not a
 	// lock and an unlock of the exporter each (a broadcast to many is
 	// bound by the producer's CPU).
-	for _, c := range e.consumers {
+	for _, c := range e.lend.consumers {
 		switch {
 		case e.takesLocked(c, b):
 			c.lagging = false
@@ -357,28 +357,6 @@ func (e *Exporter) roomLocked(ctx context.Context, c *consumer, b *Buffer, deadl
 	}
 }
 
-// takesLocked reports whether c can take a broadcast of b now.
-func (e *Exporter) takesLocked(c *consumer, b *Buffer) bool {
-	if !c.active || c.out >= e.capLocked(c) {
-		return false
-	}
-	if len(e.consumers) < 2 {
-		return true
-	}
-	if r := b.rec.ring; r != nil {
-		return 2*c.ringLeases[r] < len(r.bufs)
-	}
-	m := c.allocs[b.rec]
-	if m == nil || m.leases == 0 {
-		return true
-	}
-	switch rec := b.rec; {
-	case rec.arena != nil:
-		return 2*(m.bytes+b.size) <= rec.size
-	}
-	return true
-}
-
 // own checks that b is a buffer of e.
 func (e *Exporter) own(b *Buffer) error {
 	if b == nil || b.e != e {
@@ -410,79 +388,6 @@ func (e *Exporter) offerableLocked(b *Buffer) error {
 	return nil
 }
 
-// pickLocked returns the consumer to lend to next, or nil if none can
-// take a lease: of those below their cap, the one whose process holds the
-// fewest leases, after every one whose process holds none through a lost
-// connection (loadLocked), ties going round-robin. So a consumer that
-// stops releasing stops being picked once it holds more than the others,
-// and can never hold much more than its share of what is lent.
-//
-// A newcomer (a consumer that has released nothing yet) is passed over
-// while the newcomers together hold as many leases as the consumers that
-// have released, or more (at least one: newcomers may always hold one),
-// unless no consumer that has released can take the lease. Holding
-// nothing, a newcomer would otherwise beat a consumer that is releasing
-// at every pick: a crowd of connections that take a buffer each and never
-// release would take every buffer a releasing consumer returns. So the
-// crowd holds at most about half of what is lent, a releasing consumer is
-// served throughout, and a newcomer still gets its first lease as soon as
-// the others hold more than the newcomers (a consumer merely slow to
-// start is not starved). The passing over never makes Offer wait: a
-// lease that only newcomers can take goes to one of them.
-func (e *Exporter) pickLocked() *consumer {
-	n := len(e.consumers)
-	// best: the pick; spare: the best newcomer passed over, taken when no
-	// other can take the lease.
-	var best, spare pick
-	newcomers := e.newcomerOut < max(e.releasedOut, 1)
-	for i := range n {
-		j := e.rr + i
-		if j >= n {
-			j -= n
-		}
-		c := e.consumers[j]
-		if c.out >= e.capLocked(c) {
-			continue
-		}
-		if !c.released && !newcomers {
-			spare.consider(c, j)
-			continue
-		}
-		if best.consider(c, j) && !best.lost && best.load == 0 {
-			break
-		}
-	}
-	if best.c == nil {
-		best = spare
-	}
-	if best.c != nil {
-		e.rr = best.at + 1
-		if e.rr == n {
-			e.rr = 0
-		}
-	}
-	return best.c
-}
-
-// pick is pickLocked's best candidate so far.
-type pick struct {
-	c    *consumer
-	at   int // its index in Exporter.consumers
-	lost bool
-	load uint64
-}
-
-// consider takes c, at index at, if it comes before the candidate so far,
-// and reports whether it did.
-func (p *pick) consider(c *consumer, at int) bool {
-	lost, load := c.loadLocked()
-	if p.c != nil && (lost && !p.lost || lost == p.lost && load >= p.load) {
-		return false
-	}
-	*p = pick{c: c, at: at, lost: lost, load: load}
-	return true
-}
-
 // reserveLocked takes a credit of c and a lease slot for b.
 func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64, _ *mapping) {
 	var idx uint32
@@ -497,7 +402,7 @@ func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64, _ *ma
 	s.gen++
 	s.b = b
 	s.sent = false
-	s.epoch = e.epoch
+	s.epoch = e.clock.epoch
 	c.addOut(1)
 	b.leases++
 	b.sending++

@@ -110,9 +110,9 @@ func (e *Exporter) finishRetire(ctx context.Context, rec *allocRec) error {
 // dropRecLocked forgets a freed (or handed back) allocation.
 func (e *Exporter) dropRecLocked(rec *allocRec) {
 	rec.state = recFreed
-	delete(e.allocs, rec.id)
-	if e.byBase[rec.base] == rec {
-		delete(e.byBase, rec.base)
+	delete(e.recs.byID, rec.id)
+	if e.recs.byBase[rec.base] == rec {
+		delete(e.recs.byBase, rec.base)
 	}
 	for b := range rec.evBufs {
 		e.eventPool = append(e.eventPool, b.ev)
@@ -155,7 +155,7 @@ func (e *Exporter) Shutdown(ctx context.Context) error {
 	e.closing = true
 	e.notifyLocked(&e.creditWait)
 	e.notifyLocked(&e.changed)
-	recs := slices.Collect(maps.Values(e.allocs))
+	recs := slices.Collect(maps.Values(e.recs.byID))
 	e.mu.Unlock()
 	e.ln.Close()
 	var err error
@@ -247,7 +247,7 @@ func (e *Exporter) Close() error {
 
 		e.mu.Lock()
 		defer e.mu.Unlock()
-		for _, rec := range e.allocs {
+		for _, rec := range e.recs.byID {
 			if rec.state == recFreed || rec.state == recFreeing {
 				continue // a Retire in flight frees it
 			}

@@ -54,7 +54,7 @@ func (e *Exporter) NewRing(n int, size uint64) (*Ring, error) {
 				if ferr := e.freeMemory(rec); ferr != nil {
 					err = errors.Join(err, ferr)
 				}
-				delete(e.allocs, rec.id)
+				delete(e.recs.byID, rec.id)
 			}
 			return nil, err
 		}
@@ -211,7 +211,7 @@ func (r *Ring) Retire(ctx context.Context) error {
 	e := r.e
 	e.mu.Lock()
 	var recs []*allocRec
-	for _, rec := range e.allocs {
+	for _, rec := range e.recs.byID {
 		if rec.ring == r {
 			recs = append(recs, rec)
 		}
