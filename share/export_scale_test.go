@@ -10,7 +10,7 @@ func AllocatedBytes(e *Exporter) uint64 {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	var n uint64
-	for _, rec := range e.allocs {
+	for _, rec := range e.recs.byID {
 		n += rec.size
 	}
 	return n
