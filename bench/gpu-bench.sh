@@ -21,8 +21,8 @@
 #              allocations sent as fds), labels ending -ipc and -vmm: the
 #              handoff alone (-fill=false, -verify none) with credits 1/1
 #              worker, 8/1, 8/2, ring 64 credits 64 4 workers and 1, and fresh
-#              64 MiB from an arena, the messages through the shared-memory
-#              rings (the default), and credits 1, 8 and ring 64 again with
+#              64 MiB from an arena, the messages through the shm
+#              channel (the default), and credits 1, 8 and ring 64 again with
 #              the producer's -shm=false (labels with -socket): the messages
 #              on the socket; then a fill and an interprocess event per
 #              batch with -verify none, byte and async (stream-ordered copy
@@ -41,7 +41,7 @@
 #              release, checked at the end), skipped where torch or a GPU is
 #              missing; each on the socket (the Python consumer's
 #              default), then with --shm true (labels with -shm): the
-#              messages through the shared-memory rings.
+#              messages through the shm channel.
 #   cupy       bench/cupy_ipc.py: raw IPC handles over a multiprocessing Pipe,
 #              a hand-written open cache, 8 in flight: the handoff alone, then
 #              fill + interprocess event with and without a one-byte readback.
@@ -280,7 +280,7 @@ torch_ring() {
 
 # py_torch LABEL DEVICE CONSUMER_DEVICE SHARING [SHM]: the Python consumer
 # with torch work per batch and stream-ordered release (bench/py_consumer.py);
-# SHM true: its messages through the shared-memory rings.
+# SHM true: its messages through the shm channel.
 py_torch() {
 	local label=$1 d=$2 c=$3 sh=$4 shm=${5:-false}
 	if [ $pymsgpack = no ]; then
@@ -320,7 +320,7 @@ for pair in "${pairs[@]}"; do
 	ours "cudashare-ring64-$g-handoff-c64-w1" "$d" "$c" 1 64 none none -- -ring 64 -size 1MiB -fill=false
 	ours "cudashare-fresh-$g-handoff-c64-w4" "$d" "$c" 4 64 none none -- -fresh -ring 64 -size 64MiB -fill=false
 	# The same with the messages on the socket, for comparison: the
-	# producer does not offer the shared-memory rings.
+	# producer does not offer the shm channel.
 	if "$BIN/producer" -h 2>&1 | grep -qe '^  -shm'; then
 		ours "cudashare-ring-$g-handoff-c1-w1-socket" "$d" "$c" 1 1 none none -- -ring 8 -size 1MiB -fill=false -shm=false
 		ours "cudashare-ring-$g-handoff-c8-w1-socket" "$d" "$c" 1 8 none none -- -ring 8 -size 1MiB -fill=false -shm=false
@@ -376,7 +376,7 @@ for pair in "${pairs[@]}"; do
 	# the handoff alone through python -m cudashare consume, then torch work
 	# per batch with stream-ordered release (bench/py_consumer.py); each with
 	# the messages on the socket (the default), then through the
-	# shared-memory rings (--shm true, labels with -shm).
+	# shm channel (--shm true, labels with -shm).
 	for sh in $sharings; do
 		for shm in false true; do
 			sfx=; [ $shm = true ] && sfx=-shm

@@ -91,8 +91,8 @@ def main():
     ap.add_argument("--view", choices=["array", "dlpack"], default="array",
                     help="how each lease becomes a tensor (see above)")
     ap.add_argument("--shm", choices=["true", "false"], default=None,
-                    help="the messages through the shared-memory rings (PROTOCOL.md 2.3) if the producer allows "
-                         "them (default: only with CUDASHARE_RING=1)")
+                    help="the messages through the shm channel (PROTOCOL.md 2.3) if the producer allows "
+                         "them (default: only with CUDASHARE_SHM=1)")
     a = ap.parse_args()
     rep = {"role": "consumer", "impl": "cudashare-python+torch", "device": a.device, "credits": a.credits,
            "workers": 1, "verify": "torch-" + a.work, "view": a.view, "handoffs": 0, "seconds": 0.0, "handoffs_per_s": 0.0,
@@ -132,7 +132,7 @@ def main():
     t0 = t1 = None
     try:
         c = cudashare.connect(a.socket, device=a.device, credits=a.credits, backend="cuda", wait=a.wait,
-                              handle_sigterm=True, ring=None if a.shm is None else a.shm == "true")
+                              handle_sigterm=True, shm=None if a.shm is None else a.shm == "true")
     except (FileNotFoundError, ConnectionRefusedError) as e:
         rep.update(error="no producer at %s: %s" % (a.socket, e), exit=4)
         return out(rep, 4)
@@ -142,7 +142,7 @@ def main():
         rep.update(error="the Python consumer's CUDA backend: %s" % e, exit=1)
         return out(rep, 1)
     rep["driver"] = c.backend
-    rep["shm"] = c.stats()["ring"]
+    rep["shm"] = c.stats()["shm"]
     end = "producer said goodbye"
     try:
         with torch.cuda.stream(stream):

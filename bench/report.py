@@ -242,7 +242,7 @@ def what_work(r):
         return "fill + %s, readback %s" % ("event" if r.get("sync", "event") == "event" else "host sync", r.get("verify", "?"))
     if impl == "torch.multiprocessing":
         return "fill + host sync, .item()"
-    shm = ", messages through the shared-memory rings (--shm true)" if r.get("shm") is True else ""
+    shm = ", messages through the shm channel (--shm true)" if r.get("shm") is True else ""
     if impl == "cudashare-python":
         return "none: the handoff alone (python -m cudashare consume)" + shm
     if impl == "cudashare-python+torch":
@@ -359,7 +359,7 @@ def table(path, env=None):
           "the buffer), same buffer size and GPUs; x torch: over torch.multiprocessing, same mode, size and GPUs.")
     print("- CPU µs P / C: the CPU time (user and system, every thread) of the producer process per batch and of the "
           "consumer process per handoff, where the row's programs report it: what a handoff costs the CPUs a "
-          "trainer shares, including the polling of the shared-memory rings.")
+          "trainer shares, including the polling of the shm channel.")
     print("- p50/p99: floor rows, the round trip; the others, one way, from the offer (send, put) to the consumer's "
           "receipt on the host's CLOCK_MONOTONIC.")
     if not floor:

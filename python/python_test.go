@@ -41,8 +41,8 @@ func TestPytest(t *testing.T) {
 	}
 	// The whole suite with the consumer's default (its messages on the
 	// socket), then the tests against the Go producer again with
-	// CUDASHARE_RING=1: through the shared-memory rings, where libatomic
-	// loads (else they stay on the socket, and test_ring.py says why it
+	// CUDASHARE_SHM=1: through the shm channel, where libatomic
+	// loads (else they stay on the socket, and test_shm.py says why it
 	// skips).
 	runs := []struct {
 		name string
@@ -50,7 +50,7 @@ func TestPytest(t *testing.T) {
 		args []string
 	}{
 		{"socket", nil, []string{"tests"}},
-		{"rings", []string{"CUDASHARE_RING=1"}, []string{"tests/test_go_producer.py", "tests/test_long_run.py", "tests/test_ring.py"}},
+		{"shm", []string{"CUDASHARE_SHM=1"}, []string{"tests/test_go_producer.py", "tests/test_long_run.py", "tests/test_shm.py"}},
 	}
 	for _, r := range runs {
 		t.Run(r.name, func(t *testing.T) {

@@ -38,12 +38,12 @@ type ExporterConfig struct {
 	// messages unread before it is dropped (transport.Config.WriteTimeout).
 	// 0 means the transport's default.
 	WriteTimeout time.Duration
-	// DisableRing keeps each consumer's messages on its socket instead
-	// of two rings in memory shared with it (transport.Config.DisableRing).
-	DisableRing bool
-	// RingSpin is how long a receive polls a consumer's ring before it
-	// sleeps (transport.Config.RingSpin). 0 means the transport's default.
-	RingSpin time.Duration
+	// DisableShm keeps each consumer's messages on its socket instead
+	// of the shm channel shared with it (transport.Config.DisableShm).
+	DisableShm bool
+	// ShmSpin is how long a receive polls a consumer's shm lane before it
+	// sleeps (transport.Config.ShmSpin). 0 means the transport's default.
+	ShmSpin time.Duration
 	// Sharing is how rings and arenas are allocated and shared: VMM
 	// allocations exported as file descriptors, or legacy IPC. The zero
 	// value, SharingAuto, takes VMM where the device supports it.
@@ -261,7 +261,7 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 		return nil, errors.New("share: NewExporter: negative WriteTimeout or MaxLeasesPerConsumer")
 	}
 	tcfg.WriteTimeout = cfg.WriteTimeout
-	tcfg.DisableRing, tcfg.RingSpin = cfg.DisableRing, cfg.RingSpin
+	tcfg.DisableShm, tcfg.ShmSpin = cfg.DisableShm, cfg.ShmSpin
 	tcfg.ReleaseEvents = true // Acquire, AcquireOn, Arena.Alloc and Wait honour them
 	leaseTimeout := cfg.LeaseTimeout
 	if leaseTimeout == 0 {
@@ -271,9 +271,9 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 	if err != nil {
 		return nil, err
 	}
-	spin := cfg.RingSpin
+	spin := cfg.ShmSpin
 	if spin == 0 {
-		spin = transport.DefaultConfig(transport.RoleProducer).RingSpin
+		spin = transport.DefaultConfig(transport.RoleProducer).ShmSpin
 	}
 	poll, err := transport.NewPoller(spin)
 	if err != nil {

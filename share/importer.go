@@ -42,12 +42,12 @@ type ImporterConfig struct {
 	// messages unread (transport.Config.WriteTimeout). 0 means the
 	// transport's default.
 	WriteTimeout time.Duration
-	// DisableRing keeps the messages on the socket instead of two rings
-	// in memory shared with the producer (transport.Config.DisableRing).
-	DisableRing bool
-	// RingSpin is how long a receive polls the ring before it sleeps
-	// (transport.Config.RingSpin). 0 means the transport's default.
-	RingSpin time.Duration
+	// DisableShm keeps the messages on the socket instead of the shm
+	// channel, memory shared with the producer (transport.Config.DisableShm).
+	DisableShm bool
+	// ShmSpin is how long a receive polls the shm lane before it sleeps
+	// (transport.Config.ShmSpin). 0 means the transport's default.
+	ShmSpin time.Duration
 	// DialWait is how long Dial waits for a producer to listen at the
 	// path, trying again while the socket does not exist or refuses
 	// connections (a producer that is starting or restarting), within
@@ -175,7 +175,7 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 	tcfg.AcceptFDs = true // posix_fd allocations (PROTOCOL.md, section 4.1)
 	tcfg.Logger = log
 	tcfg.WriteTimeout = cfg.WriteTimeout
-	tcfg.DisableRing, tcfg.RingSpin = cfg.DisableRing, cfg.RingSpin
+	tcfg.DisableShm, tcfg.ShmSpin = cfg.DisableShm, cfg.ShmSpin
 	if len(cfg.AllowedUIDs) > 0 {
 		tcfg.AllowedUIDs = cfg.AllowedUIDs
 	}
@@ -215,10 +215,10 @@ func (im *Importer) Producer() transport.Peer { return im.peer }
 // Registry returns the registry holding the importer's mappings.
 func (im *Importer) Registry() *Registry { return im.reg }
 
-// Ring reports whether the connection's messages go through rings in
-// memory shared with the producer (both sides allow it) rather than on
-// its socket.
-func (im *Importer) Ring() bool { return im.conn.Ring() }
+// Shm reports whether the connection's messages go through the shm
+// channel, memory shared with the producer (both sides allow it), rather
+// than on its socket.
+func (im *Importer) Shm() bool { return im.conn.Shm() }
 
 // Done returns a channel that is closed once no more leases come: the
 // producer is gone (its goodbye, a drop, its death) or Shutdown or Close

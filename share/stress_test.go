@@ -48,13 +48,13 @@ type inConsumer struct {
 	n        atomic.Int64
 }
 
-func dialIn(t testing.TB, e *share.Exporter, credits uint32, ring bool) *transport.Conn {
+func dialIn(t testing.TB, e *share.Exporter, credits uint32, shm bool) *transport.Conn {
 	t.Helper()
 	cfg := transport.DefaultConfig(transport.RoleConsumer)
 	cfg.Devices = []transport.UUID{sharetest.Setup(t).Ctx.Device().UUID()}
 	cfg.AcceptFDs = true
 	cfg.Credits = credits
-	cfg.DisableRing = !ring
+	cfg.DisableShm = !shm
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
 	conn, err := transport.Dial(ctx, e.Addr(), cfg)

@@ -76,19 +76,19 @@ type Config struct {
 	// closed. 0 means 8. Peers whose pid reads 0 count together against
 	// max(MaxHandshakesPerPeer, MaxHandshakes/2).
 	MaxHandshakesPerPeer int
-	// DisableRing keeps the connection's frames on the socket. Otherwise
-	// this side advertises CapRing, and with a peer that does too the
-	// frames go through two rings in shared memory, and the socket only
+	// DisableShm keeps the connection's frames on the socket. Otherwise
+	// this side advertises CapShm, and with a peer that does too the
+	// frames go through the shm channel (two lanes in shared memory), and the socket only
 	// wakes a sleeping reader and carries descriptors, errors and the
 	// end: no system call per message while both sides are busy.
-	DisableRing bool
-	// RingSpin is how long a receive on a ring connection polls the ring,
+	DisableShm bool
+	// ShmSpin is how long a receive on a shm connection polls its lane,
 	// yielding, before it sleeps on the socket; it polls only while
 	// messages have been coming about that often (within 4x), so an idle
 	// or slow connection costs no CPU. Polling burns a CPU thread for up
 	// to that long per wait, and saves the peer a system call and this
 	// side a wake-up. 0 means 50µs; negative, never.
-	RingSpin time.Duration
+	ShmSpin time.Duration
 	// Logger receives refusals and failed handshakes. Nil means
 	// slog.Default(). A listener limits what it and its connections log
 	// there to a burst of 20 records, then one a second; the next record
@@ -113,7 +113,7 @@ func DefaultConfig(role Role) Config {
 		// A real peer completes its handshake in microseconds: a few per
 		// process cover one that dials many connections at once.
 		MaxHandshakesPerPeer: 8,
-		RingSpin:             50 * time.Microsecond,
+		ShmSpin:              50 * time.Microsecond,
 		Logger:               slog.Default(),
 	}
 }
@@ -167,8 +167,8 @@ func (cfg Config) resolve() (Config, error) {
 	if err := cfg.resolveLimits(&def); err != nil {
 		return cfg, err
 	}
-	if cfg.RingSpin == 0 {
-		cfg.RingSpin = def.RingSpin
+	if cfg.ShmSpin == 0 {
+		cfg.ShmSpin = def.ShmSpin
 	}
 	if cfg.Logger == nil {
 		cfg.Logger = def.Logger
@@ -218,8 +218,8 @@ func (cfg *Config) caps() Caps {
 	if cfg.ReleaseEvents {
 		c |= CapReleaseEvents
 	}
-	if !cfg.DisableRing {
-		c |= CapRing
+	if !cfg.DisableShm {
+		c |= CapShm
 	}
 	return c
 }

@@ -31,11 +31,11 @@ import (
 // an error writing it later fails the connection, and the next call
 // reports it. Flush waits until everything queued has been written.
 //
-// When both sides advertise CapRing (the Go default; Config.DisableRing),
-// the frames go through two rings in memory the processes share
-// (ring.go, PROTOCOL.md section 2.3) instead of the socket: a send then
-// writes into the ring at once, a receive polls the ring briefly
-// (Config.RingSpin) before it sleeps on the socket, and the socket only
+// When both sides advertise CapShm (the Go default; Config.DisableShm),
+// the frames go through the shm channel, two lanes (one each way) in
+// memory the processes share (shm.go, PROTOCOL.md section 2.3) instead of the socket: a send then
+// writes into the lane at once, a receive polls the lane briefly
+// (Config.ShmSpin) before it sleeps on the socket, and the socket only
 // wakes a sleeping reader and carries descriptors, errors and the end.
 // Everything else here holds the same for both.
 //
@@ -72,17 +72,17 @@ type Conn struct {
 	watch       ctxWatch
 	intr        atomic.Bool // Interrupt: the next Recv to wait returns ErrInterrupted
 	try         bool        // in TryRecv: a read that would wait returns errWouldBlock
-	// Ring mode (ring.go), under rmu: sbuf[sr:sw] is what the socket
+	// Shm mode (shm.go), under rmu: sbuf[sr:sw] is what the socket
 	// brought and no frame has taken yet, sockEnd how the socket ended
-	// (the ring is read to its end first), gap the last wait for the
-	// ring. askRing is set while a dialer that asked for a ring waits for
+	// (the lane is read to its end first), gap the last wait for the
+	// lane. askShm is set while a dialer that asked for the shm channel waits for
 	// the segment with the hello-ack.
-	sbuf     []byte
-	sr, sw   int
-	sockEnd  int
-	gap      time.Duration
-	askRing  bool
-	ringGone bool // unmapped by Close; under rmu and ringMu
+	sbuf    []byte
+	sr, sw  int
+	sockEnd int
+	gap     time.Duration
+	askShm  bool
+	shmGone bool // unmapped by Close; under rmu and shmMu
 	// A Poller's, if one watches the connection (poller.go): sockReady
 	// says the socket may have bytes (epoll said so, or the connection
 	// failed), so that TryRecv makes no system call for a socket that has
@@ -97,17 +97,17 @@ type Conn struct {
 	// reader that ends the connection cannot close the socket under the
 	// error message still being written.
 	ended atomic.Bool
-	// sleeps counts this side's sleeps on the ring it reads, carriers
+	// sleeps counts this side's sleeps on the lane it reads, carriers
 	// the reads of the socket that brought descriptors, and bells the
 	// doorbells read: a peer that keeps the rules rings at most once per
 	// sleep, and once more per set of descriptors (socketFrames).
 	sleeps, carriers, bells uint64
 
-	// ring is the segment of a ring connection, nil on a socket one. The
-	// write side holds ringMu shared while it writes into the segment;
+	// shm is the segment of a shm connection, nil on a socket one. The
+	// write side holds shmMu shared while it writes into the segment;
 	// Close holds it, and rmu, to unmap it.
-	ring   *ringSeg
-	ringMu sync.RWMutex
+	shm   *shmSeg
+	shmMu sync.RWMutex
 
 	// Send side and flow control, under mu.
 	mu               sync.Mutex
@@ -131,14 +131,14 @@ type Conn struct {
 	cut bool
 	// lastWrite is when the last write ended: a send soon after it is
 	// part of a stream, and waits for the writer to batch it. Socket
-	// connections only: a ring takes every send at once.
+	// connections only: a lane takes every send at once.
 	lastWrite time.Time
 	wr        writeOp
-	// Ring mode, for the write side's owner: bellLeft is what the socket
-	// did not take of the last doorbell; ringTimer paces the wait for
-	// room in a full ring.
-	bellLeft  int
-	ringTimer *time.Timer
+	// Shm mode, for the write side's owner: bellLeft is what the socket
+	// did not take of the last doorbell; shmTimer paces the wait for
+	// room in a full lane.
+	bellLeft int
+	shmTimer *time.Timer
 
 	kick       chan struct{} // wakes the writer
 	dying      chan struct{} // closed with the first failure
@@ -202,9 +202,10 @@ func newConn(nc *net.UnixConn, cfg Config, cred *unix.Ucred) (*Conn, error) {
 // modified.
 func (c *Conn) Peer() Peer { return c.peer }
 
-// Ring reports whether the connection carries its frames through rings
-// in shared memory (CapRing on both sides) rather than on the socket.
-func (c *Conn) Ring() bool { return c.ring != nil }
+// Shm reports whether the connection carries its frames through the shm
+// channel, two lanes in shared memory (CapShm on both sides), rather than
+// on the socket.
+func (c *Conn) Shm() bool { return c.shm != nil }
 
 // Credits returns how many more offers may be outstanding on the
 // connection now: the window the consumer granted less the offers not yet
@@ -402,13 +403,13 @@ func (c *Conn) Close() error {
 		c.rmu.Lock()
 		closeFDs(c.fdq)
 		c.fdq = c.fdq[:0]
-		if c.ring != nil {
-			// Recv is out (rmu) and a writer in the ring holds ringMu:
+		if c.shm != nil {
+			// Recv is out (rmu) and a writer in the lane holds shmMu:
 			// nothing can touch the segment from here on.
-			c.ringMu.Lock()
-			c.ringGone = true
-			c.ring.unmap()
-			c.ringMu.Unlock()
+			c.shmMu.Lock()
+			c.shmGone = true
+			c.shm.unmap()
+			c.shmMu.Unlock()
 		}
 		c.watch.mu.Lock()
 		if c.watch.stop != nil {

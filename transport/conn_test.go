@@ -29,13 +29,13 @@ func TestExchange(t *testing.T) {
 	ccfg.Credits = 4
 	prod, cons := pair(t, pcfg, ccfg)
 	ctx := testCtx(t)
-	ring := !pcfg.DisableRing // the producer advertises it and the consumer uses it, unless in socket mode
+	shm := !pcfg.DisableShm // the producer advertises it and the consumer uses it, unless in socket mode
 
 	if p := prod.Peer(); p.Role != RoleConsumer || p.UID != uint32(os.Getuid()) || p.PID != int32(os.Getpid()) ||
 		!reflect.DeepEqual(p.Devices, ccfg.Devices) {
 		t.Errorf("producer sees %+v", p)
 	}
-	if p := cons.Peer(); p.Role != RoleProducer || !reflect.DeepEqual(p.Devices, pcfg.Devices) || (p.Caps != CapRing) == ring || cons.Ring() != ring || prod.Ring() != ring {
+	if p := cons.Peer(); p.Role != RoleProducer || !reflect.DeepEqual(p.Devices, pcfg.Devices) || (p.Caps != CapShm) == shm || cons.Shm() != shm || prod.Shm() != shm {
 		t.Errorf("consumer sees %+v", p)
 	}
 

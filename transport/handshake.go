@@ -75,7 +75,7 @@ func (c *Conn) handshake(ctx context.Context, dialer bool, admit func(*Conn) err
 
 	var werr error
 	if dialer {
-		c.askRing = mine.caps&CapRing != 0
+		c.askShm = mine.caps&CapShm != 0
 		mine.kind = KindHello
 		_, werr = c.nc.Write(appendHello(nil, &mine))
 		// Read the answer even if the write failed: a listener that
@@ -111,12 +111,12 @@ func (c *Conn) handshake(ctx context.Context, dialer bool, admit func(*Conn) err
 			return c.handshakeFailed(err, true)
 		}
 	}
-	ring := mine.caps&CapRing != 0 && theirs.caps&CapRing != 0
+	shm := mine.caps&CapShm != 0 && theirs.caps&CapShm != 0
 	if dialer {
-		if err := c.takeRing(ring); err != nil {
+		if err := c.takeShm(shm); err != nil {
 			return c.handshakeFailed(err, true)
 		}
-	} else if err := c.answer(&mine, ring); err != nil {
+	} else if err := c.answer(&mine, shm); err != nil {
 		return c.handshakeFailed(err, false)
 	}
 	if !stop() {
@@ -125,7 +125,7 @@ func (c *Conn) handshake(ctx context.Context, dialer bool, admit func(*Conn) err
 	if err := c.nc.SetDeadline(time.Time{}); err != nil {
 		return c.handshakeFailed(err, false)
 	}
-	if c.ring != nil {
+	if c.shm != nil {
 		// Anything the peer wrote after its hello is on the socket: it
 		// can only be doorbells or an error, and is read as such.
 		c.sbuf = make([]byte, max(256, c.w-c.r))
@@ -137,16 +137,16 @@ func (c *Conn) handshake(ctx context.Context, dialer bool, admit func(*Conn) err
 	return nil
 }
 
-// answer sends the listener's hello-ack, with a ring segment if ring, or
+// answer sends the listener's hello-ack, with a shm segment if shm, or
 // on the socket alone if one cannot be made.
-func (c *Conn) answer(mine *hello, ring bool) error {
-	var seg *ringSeg
+func (c *Conn) answer(mine *hello, shm bool) error {
+	var seg *shmSeg
 	fd := -1
-	if ring {
+	if shm {
 		var err error
-		if seg, fd, err = newRingSeg(); err != nil {
-			c.cfg.Logger.Warn("transport: no ring for this connection; its frames go on the socket", "peer", c.desc, "err", err)
-			mine.caps &^= CapRing
+		if seg, fd, err = newShmSeg(); err != nil {
+			c.cfg.Logger.Warn("transport: no shm channel for this connection; its frames go on the socket", "peer", c.desc, "err", err)
+			mine.caps &^= CapShm
 		}
 	}
 	msg := appendHello(nil, mine)
@@ -163,17 +163,17 @@ func (c *Conn) answer(mine *hello, ring bool) error {
 		seg.unmap()
 		return writeErr(err)
 	}
-	c.ring = seg
+	c.shm = seg
 	return nil
 }
 
-// takeRing maps the segment that came with the hello-ack if both sides
-// advertised CapRing. Nothing else may come with it. Without the ring,
+// takeShm maps the segment that came with the hello-ack if both sides
+// advertised CapShm. Nothing else may come with it. Without the shm channel,
 // descriptors queued are those of the first offer, whose first bytes one
 // recvmsg may have read with the hello-ack: they stay queued for it.
-func (c *Conn) takeRing(ring bool) error {
-	c.askRing = false
-	if !ring {
+func (c *Conn) takeShm(shm bool) error {
+	c.askShm = false
+	if !shm {
 		return nil
 	}
 	defer func() {
@@ -181,13 +181,13 @@ func (c *Conn) takeRing(ring bool) error {
 		c.fdq = c.fdq[:0]
 	}()
 	if len(c.fdq) != 1 {
-		return malformed("hello-ack with the ring capability and %d descriptors, want 1 (the segment)", len(c.fdq))
+		return malformed("hello-ack with the shm capability and %d descriptors, want 1 (the segment)", len(c.fdq))
 	}
-	seg, err := openRingSeg(c.fdq[0])
+	seg, err := openShmSeg(c.fdq[0])
 	if err != nil {
 		return err
 	}
-	c.ring = seg
+	c.shm = seg
 	return nil
 }
 

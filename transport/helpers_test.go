@@ -43,7 +43,7 @@ func testConfig(role Role, log io.Writer) Config {
 	cfg.Logger = slog.New(slog.NewTextHandler(log, nil))
 	cfg.HandshakeTimeout = 2 * time.Second
 	cfg.WriteTimeout = 2 * time.Second
-	cfg.DisableRing = os.Getenv(socketModeEnv) != ""
+	cfg.DisableShm = os.Getenv(socketModeEnv) != ""
 	return cfg
 }
 

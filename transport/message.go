@@ -45,11 +45,11 @@ const CapReleaseEvents Caps = 1 << 1
 // (HandleFabric). Reserved: the Go implementation does not advertise it.
 const CapFabric Caps = 1 << 2
 
-// CapRing says that the side can carry the connection's frames through
-// rings in shared memory (PROTOCOL.md, section 2.3). When both sides set
+// CapShm says that the side can carry the connection's frames through
+// the shm channel, two lanes in shared memory (PROTOCOL.md, section 2.3). When both sides set
 // it, the listener sends the segment with its hello-ack, and the frames
 // after the handshake go through it.
-const CapRing Caps = 1 << 3
+const CapShm Caps = 1 << 3
 
 // HandleKind says how an offer's allocation is shared (PROTOCOL.md,
 // section 4.1).

@@ -16,9 +16,9 @@ import (
 // producer reads every consumer with it, with no goroutine per connection
 // and no goroutine switch per message. The goroutine that polls takes
 // what has come with each connection's TryRecv, and calls Wait when none
-// has anything. Wait looks at the connections' rings, for up to their
-// RingSpin, and then sleeps in one epoll_wait(2) on every socket (the
-// rings' doorbells, the sockets' messages, errors and ends) and on Wake.
+// has anything. Wait looks at the connections' lanes, for up to their
+// ShmSpin, and then sleeps in one epoll_wait(2) on every socket (the
+// lanes' doorbells, the sockets' messages, errors and ends) and on Wake.
 //
 // Add, Remove and Wait are for the polling goroutine, one at a time (a
 // reader that hands the polling over must order the handover itself, as a
@@ -32,11 +32,11 @@ type Poller struct {
 	byFD       map[int32]*Conn
 	events     []unix.EpollEvent
 	spin       time.Duration
-	rings      int           // connections with a ring: none, no spin
+	onShm      int           // connections on the shm channel: none, no spin
 	gap        time.Duration // how long the last sleep lasted: no spin after long ones
 	// sleeping is set while Wait sleeps or is about to; woken by Wake.
 	// Each side stores its own word before it loads the other's, so one
-	// of the two sees the other (Swap: see ringHalf.sleep).
+	// of the two sees the other (Swap: see lane.sleep).
 	sleeping, woken atomic.Bool
 	watchDone       <-chan struct{}
 	watchStop       func() bool
@@ -44,8 +44,8 @@ type Poller struct {
 }
 
 // NewPoller returns an empty Poller. spin is how long Wait polls the
-// rings before it sleeps, while messages come about that often (0: no
-// polling; Config.RingSpin is the connections' own).
+// lanes before it sleeps, while messages come about that often (0: no
+// polling; Config.ShmSpin is the connections' own).
 func NewPoller(spin time.Duration) (*Poller, error) {
 	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
 	if err != nil {
@@ -90,8 +90,8 @@ func (p *Poller) Add(c *Conn) error {
 	c.sockReady.Store(true)
 	p.byFD[fd] = c
 	p.conns = append(p.conns, c)
-	if c.ring != nil {
-		p.rings++
+	if c.shm != nil {
+		p.onShm++
 	}
 	c.pollFD = fd
 	if c.ended.Load() {
@@ -111,8 +111,8 @@ func (p *Poller) Remove(c *Conn) {
 			p.conns[i] = p.conns[last]
 			p.conns[last] = nil
 			p.conns = p.conns[:last]
-			if c.ring != nil {
-				p.rings--
+			if c.shm != nil {
+				p.onShm--
 			}
 			break
 		}
@@ -165,7 +165,7 @@ func (p *Poller) Wait(ctx context.Context) error {
 		return err
 	}
 	start := time.Now()
-	if p.spin > 0 && p.rings > 0 && p.gap <= 4*p.spin && p.spinRings(start) {
+	if p.spin > 0 && p.onShm > 0 && p.gap <= 4*p.spin && p.spinShm(start) {
 		p.unwatchShort(ctx)
 		return nil
 	}
@@ -221,13 +221,13 @@ func (p *Poller) unwatchShort(ctx context.Context) {
 	}
 }
 
-// spinRings polls the rings, yielding between looks, for up to spin; it
-// reports whether a ring has bytes or Wake was called.
-func (p *Poller) spinRings(start time.Time) bool {
+// spinShm polls the lanes, yielding between looks, for up to spin; it
+// reports whether a lane has bytes or Wake was called.
+func (p *Poller) spinShm(start time.Time) bool {
 	until := start.Add(p.spin)
 	for i := 1; ; i++ {
 		for _, c := range p.conns {
-			if c.ringHasBytes() {
+			if c.shmHasBytes() {
 				return true
 			}
 		}
@@ -269,7 +269,7 @@ func (p *Poller) epollWait(timeout int) error {
 
 // Poll marks, without waiting, the sockets that have something to read:
 // a poller that never sleeps, because messages keep coming, calls it now
-// and then so that a ring connection's error or end is seen.
+// and then so that a shm connection's error or end is seen.
 func (p *Poller) Poll() error {
 	if p.closed {
 		return ErrClosed
@@ -294,7 +294,7 @@ func (p *Poller) Close() error {
 	return unix.Close(p.epfd)
 }
 
-// armPoll prepares c for the poller's sleep: a ring connection's reader
+// armPoll prepares c for the poller's sleep: a shm connection's reader
 // says it sleeps (the peer rings the doorbell after its next write) and
 // looks at the ring once more. It reports whether c has bytes to read,
 // and when a partial frame times out (zero: none).
@@ -307,29 +307,29 @@ func (c *Conn) armPoll() (ready bool, deadline time.Time) {
 		}
 		deadline = c.frameStart.Add(c.cfg.FrameTimeout)
 	}
-	if c.ring == nil || c.ringGone || c.handshaking {
+	if c.shm == nil || c.shmGone || c.handshaking {
 		return false, deadline
 	}
-	c.ring.in.sleep()
+	c.shm.in.sleep()
 	c.sleeps++ // the peer may ring once for it (socketFrames)
-	return c.ring.in.ready() || c.sockEnd != 0, deadline
+	return c.shm.in.ready() || c.sockEnd != 0, deadline
 }
 
 // disarmPoll ends armPoll's sleep.
 func (c *Conn) disarmPoll() {
 	c.rmu.Lock()
 	defer c.rmu.Unlock()
-	if c.ring != nil && !c.ringGone {
-		c.ring.in.wake()
+	if c.shm != nil && !c.shmGone {
+		c.shm.in.wake()
 	}
 }
 
-// ringHasBytes reports whether c's ring has bytes to read, for a poller's
+// shmHasBytes reports whether c's lane has bytes to read, for a poller's
 // spin.
-func (c *Conn) ringHasBytes() bool {
+func (c *Conn) shmHasBytes() bool {
 	if !c.rmu.TryLock() {
 		return false
 	}
 	defer c.rmu.Unlock()
-	return c.ring != nil && !c.ringGone && !c.handshaking && c.ring.in.ready()
+	return c.shm != nil && !c.shmGone && !c.handshaking && c.shm.in.ready()
 }

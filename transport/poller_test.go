@@ -53,17 +53,17 @@ func pollAll(t *testing.T, p *Poller, conns []*Conn, done func(got []int, ended 
 }
 
 // TestPollerReadsEveryConn: one goroutine reads many consumers through a
-// Poller, on rings and on sockets: every release comes, whenever each
+// Poller, on lanes and on sockets: every release comes, whenever each
 // consumer sends it (at once, or after it slept long enough for the
 // reader to sleep too); then consumers that close, with a goodbye or
 // without, end their connection's TryRecv with the right error.
 func TestPollerReadsEveryConn(t *testing.T) {
-	for _, ring := range []bool{true, false} {
-		t.Run(fmt.Sprintf("ring=%v", ring), func(t *testing.T) {
+	for _, shm := range []bool{true, false} {
+		t.Run(fmt.Sprintf("shm=%v", shm), func(t *testing.T) {
 			checkNoFDLeak(t)
 			const n, per = 12, 40
 			pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
-			pcfg.DisableRing, ccfg.DisableRing = !ring, !ring
+			pcfg.DisableShm, ccfg.DisableShm = !shm, !shm
 			ccfg.Credits = 4
 			l := listen(t, pcfg)
 			ctx := testCtx(t)
@@ -83,8 +83,8 @@ func TestPollerReadsEveryConn(t *testing.T) {
 					t.Fatal(err)
 				}
 				defer prods[i].Close()
-				if prods[i].Ring() != ring {
-					t.Fatalf("ring mode %v, want %v", prods[i].Ring(), ring)
+				if prods[i].Shm() != shm {
+					t.Fatalf("shm mode %v, want %v", prods[i].Shm(), shm)
 				}
 				if err := p.Add(prods[i]); err != nil {
 					t.Fatal(err)
@@ -244,7 +244,7 @@ func TestPollerWake(t *testing.T) {
 // nothing more ever arrives to wake the Poller.
 func TestPollerFrameTimeout(t *testing.T) {
 	cfg := testConfig(RoleProducer, nil)
-	cfg.DisableRing = true
+	cfg.DisableShm = true
 	cfg.FrameTimeout = 300 * time.Millisecond
 	l := listen(t, cfg)
 	ctx := testCtx(t)
@@ -278,10 +278,10 @@ func TestPollerFrameTimeout(t *testing.T) {
 // ever in its next Wait: a connection whose end is untaken keeps Wait
 // from sleeping, as a socket with bytes unread does.
 func TestPollerWaitsNotOnAClosedConnUnread(t *testing.T) {
-	for _, ring := range []bool{true, false} {
-		t.Run(fmt.Sprintf("ring=%v", ring), func(t *testing.T) {
+	for _, shm := range []bool{true, false} {
+		t.Run(fmt.Sprintf("shm=%v", shm), func(t *testing.T) {
 			pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
-			pcfg.DisableRing, ccfg.DisableRing = !ring, !ring
+			pcfg.DisableShm, ccfg.DisableShm = !shm, !shm
 			p, err := NewPoller(0)
 			if err != nil {
 				t.Fatal(err)
@@ -332,10 +332,10 @@ func TestPollerWaitsNotOnAClosedConnUnread(t *testing.T) {
 // consumer ends): the peer is still told why, every time. The reader must
 // not see the failure before the error message is written.
 func TestPollerKickToldWhy(t *testing.T) {
-	for _, ring := range []bool{true, false} {
-		t.Run(fmt.Sprintf("ring=%v", ring), func(t *testing.T) {
+	for _, shm := range []bool{true, false} {
+		t.Run(fmt.Sprintf("shm=%v", shm), func(t *testing.T) {
 			pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
-			pcfg.DisableRing, ccfg.DisableRing = !ring, !ring
+			pcfg.DisableShm, ccfg.DisableShm = !shm, !shm
 			l := listen(t, pcfg)
 			ctx := testCtx(t)
 			p, err := NewPoller(0)

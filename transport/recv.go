@@ -145,7 +145,7 @@ func (c *Conn) readFrame(ctx context.Context) ([]byte, error) {
 			c.r, c.w = 0, 0
 			// Descriptors arrive with the first byte of the message
 			// that claims them, so with nothing buffered they are stray.
-			if len(c.fdq) > 0 && c.ring == nil {
+			if len(c.fdq) > 0 && c.shm == nil {
 				return nil, malformed("%d descriptors arrived with no message", len(c.fdq))
 			}
 		}
@@ -172,12 +172,12 @@ func (c *Conn) growRead(need int) {
 	c.rbuf = b
 }
 
-// fill reads what the socket (or the ring) has into rbuf[w:], waiting for
+// fill reads what the socket (or the lane) has into rbuf[w:], waiting for
 // at least a byte; avail is the number of bytes of a partial frame
 // buffered.
 func (c *Conn) fill(ctx context.Context, avail int) error {
-	if c.ring != nil && !c.handshaking {
-		return c.fillRing(ctx, avail)
+	if c.shm != nil && !c.handshaking {
+		return c.fillShm(ctx, avail)
 	}
 	var n, end int
 	var err error
@@ -401,7 +401,7 @@ func (c *Conn) takeFDs(oob []byte, flags int) error {
 	switch {
 	case flags&unix.MSG_CTRUNC != 0:
 		err = malformed("more than %d descriptors with one message", MaxFDs)
-	case !c.cfg.AcceptFDs && !(c.handshaking && c.askRing):
+	case !c.cfg.AcceptFDs && !(c.handshaking && c.askShm):
 		err = fmt.Errorf("%w: %d descriptors, and this side did not advertise CapFDs", ErrUnexpectedMessage, len(fds))
 	case len(c.fdq)+len(fds) > c.fdLimit():
 		err = malformed("%d descriptors pending, limit %d", len(c.fdq)+len(fds), c.fdLimit())
@@ -416,10 +416,10 @@ func (c *Conn) takeFDs(oob []byte, flags int) error {
 }
 
 // fdLimit is the most descriptors that may wait for their message. On a
-// ring connection, those of the next offer may come before the one being
+// shm connection, those of the next offer may come before the one being
 // taken has claimed its own (PROTOCOL.md section 2.3).
 func (c *Conn) fdLimit() int {
-	if c.ring != nil {
+	if c.shm != nil {
 		return 2 * MaxFDs
 	}
 	return MaxFDs
@@ -482,8 +482,8 @@ func (c *Conn) admit(kind Kind, m *Message) error {
 			// or not any came: PROTOCOL.md section 5.
 			return fmt.Errorf("%w: offer declares %d descriptors, and this side did not advertise CapFDs", ErrUnexpectedMessage, nfds)
 		}
-		if nfds > len(c.fdq) && c.ring != nil {
-			// They left on the socket before the offer entered the ring.
+		if nfds > len(c.fdq) && c.shm != nil {
+			// They left on the socket before the offer entered the lane.
 			if err := c.pullSocket(nfds); err != nil {
 				return err
 			}

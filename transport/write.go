@@ -69,9 +69,9 @@ func (c *Conn) lockRoom(ctx context.Context, offer bool) error {
 // by then in one go.
 func (c *Conn) unlockAndKick(off int) {
 	c.queued += uint64(len(c.out) - off)
-	// A write into the ring costs no system call: write at once if the
-	// ring is free, whatever the stream.
-	if c.writing || len(c.outFDs) > 0 || (c.ring == nil && time.Since(c.lastWrite) < streamGap) {
+	// A write into the lane costs no system call: write at once if the
+	// lane is free, whatever the stream.
+	if c.writing || len(c.outFDs) > 0 || (c.shm == nil && time.Since(c.lastWrite) < streamGap) {
 		c.mu.Unlock()
 		c.kickWriter()
 		return
@@ -98,8 +98,8 @@ func (c *Conn) writeNow() bool {
 	c.mu.Unlock()
 	var n int
 	var err error
-	if c.ring != nil {
-		n, err = c.ringWriteSome(buf)
+	if c.shm != nil {
+		n, err = c.shmWriteSome(buf)
 	} else {
 		op := &c.wr
 		op.p, op.oob, op.wait, op.n, op.errno = buf, nil, false, 0, 0
@@ -112,11 +112,11 @@ func (c *Conn) writeNow() bool {
 	}
 	c.mu.Lock()
 	c.writing = false
-	if c.ring == nil {
+	if c.shm == nil {
 		c.lastWrite = time.Now() // only the socket's heuristic reads it
 	}
 	c.written += uint64(n)
-	if c.ring != nil {
+	if c.shm != nil {
 		// The socket, where an error message goes, has whole frames.
 	} else if n == len(buf) {
 		c.cut = false
@@ -200,7 +200,7 @@ func (c *Conn) writeLoop() {
 			}
 			c.mu.Lock()
 			c.writing = false
-			if c.ring == nil {
+			if c.shm == nil {
 				c.lastWrite = time.Now()
 			}
 			c.spare, c.spareFDs = buf[:0], fds[:0]
@@ -228,17 +228,17 @@ func (c *Conn) writeFailed(err error) {
 		c.endPolled()
 		return
 	}
-	// A peer that left the ring unread (stopped, say), or broke the
-	// ring's rules (its head: ring.go, peerHead), can be told why it was
+	// A peer that left the lane unread (stopped, say), or broke the
+	// lane's rules (its head: shm.go, peerHead), can be told why it was
 	// dropped: the socket holds whole frames and has room, and the peer
 	// reads it once it resumes. A full socket has no room for it, and
 	// may end in the middle of a frame.
-	c.fail(err, errors.Is(err, errRingStalled) || (c.ring != nil && errors.Is(err, ErrMalformed)))
+	c.fail(err, errors.Is(err, errShmStalled) || (c.shm != nil && errors.Is(err, ErrMalformed)))
 }
 
-// errRingStalled marks a write timeout on a ring, where the socket is
+// errShmStalled marks a write timeout on a lane, where the socket is
 // free for an error message. Its text is empty: it only marks.
-var errRingStalled = errors.New("")
+var errShmStalled = errors.New("")
 
 // writeBatch writes buf, sending each set of descriptors with the first
 // byte of its frame.
@@ -280,15 +280,15 @@ func (c *Conn) writeFrames(buf []byte, fds []pendingFDs, armed *bool) error {
 
 // writeAll writes b, with the descriptors in oob (if any) attached to its
 // first byte, waiting while the socket is full; see writeBatch for the
-// deadline. On a ring connection, b goes into the ring, and the
+// deadline. On a shm connection, b goes into the lane, and the
 // descriptors before it on the socket, with a doorbell (and the rest of
 // one cut short before) to carry them.
 func (c *Conn) writeAll(b, oob []byte, armed *bool) error {
-	if c.ring == nil {
+	if c.shm == nil {
 		return c.sockWriteAll(b, oob, armed)
 	}
 	if oob != nil {
-		if err := c.ringFlushed(); err != nil {
+		if err := c.shmFlushed(); err != nil {
 			return err
 		}
 		if c.bellLeft > 0 {
@@ -301,7 +301,7 @@ func (c *Conn) writeAll(b, oob []byte, armed *bool) error {
 			return err
 		}
 	}
-	return c.ringWriteAll(b)
+	return c.shmWriteAll(b)
 }
 
 // sockWriteAll is writeAll on the socket.

@@ -175,7 +175,7 @@ func TestExplain(t *testing.T) {
 		{fmt.Errorf("x: %w", transport.ErrPeerRefused), ExitRefused},
 		{fmt.Errorf("x: %w", transport.ErrVersion), ExitRefused},
 		{fmt.Errorf("x: %w", transport.ErrHandshake), ExitRefused},
-		// A malformed hello-ack, or a bad ring segment with it: a
+		// A malformed hello-ack, or a bad shm segment with it: a
 		// protocol error from a producer that is there, not "no producer".
 		{fmt.Errorf("x: %w", transport.ErrMalformed), ExitFailure},
 		{fmt.Errorf("x: %w", transport.ErrUnexpectedMessage), ExitFailure},

@@ -113,8 +113,8 @@ func RunConsumer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.IntVar(&cfg.readReps, "read-reps", 21, "repeats of each read in -read-test; the median counts")
 	fs.DurationVar(&cfg.shutdownTimeout, "shutdown-timeout", 10*time.Second, "at the end, how long to wait for the workers to release their batches")
 	fs.DurationVar(&cfg.writeTimeout, "write-timeout", 0, "give up on a producer that leaves this consumer's messages unread this long (0: the transport's default, 10s)")
-	fs.BoolVar(&cfg.shm, "shm", true, "carry the messages through two rings in memory shared with the producer, if it allows them, instead of on the socket (no system call per message while both sides are busy); the report's shm says which was used")
-	fs.DurationVar(&cfg.spin, "spin", 0, "with -shm, how long a receive polls the ring before it sleeps on the socket, while messages come about that often (0: the transport's default, 50µs; negative: never)")
+	fs.BoolVar(&cfg.shm, "shm", true, "carry the messages through the shm channel, memory shared with the producer, if it allows them, instead of on the socket (no system call per message while both sides are busy); the report's shm says which was used")
+	fs.DurationVar(&cfg.spin, "spin", 0, "with -shm, how long a receive polls its shm lane before it sleeps on the socket, while messages come about that often (0: the transport's default, 50µs; negative: never)")
 	fs.BoolVar(&cfg.json, "json", false, "print one JSON line of results instead of the summary")
 	fs.StringVar(&cfg.progress, "progress", "auto", "live progress line: auto (when stdout is a terminal), on, off")
 	fs.DurationVar(&cfg.reportEvery, "report-every", 0, "print a JSON progress line (ConsumerProgress) to stdout this often while consuming, for scripts and tests watching a long run (0: none)")
@@ -219,7 +219,7 @@ func (c *consumer) run(ctx context.Context, stdout io.Writer, showProgress bool)
 	}
 	c.rep.ProducerDevice = producerDevice(imp)
 	c.rep.SameDevice = c.rep.ProducerDevice == c.rep.DeviceUUID
-	c.rep.SHM = imp.Ring()
+	c.rep.SHM = imp.Shm()
 	if peer := imp.Producer(); peer.PID == 0 {
 		// SO_PEERCRED: the producer's PID namespace is above this one or
 		// beside it (another container). No events travel either way.
@@ -257,7 +257,7 @@ func (c *consumer) run(ctx context.Context, stdout io.Writer, showProgress bool)
 func (c *consumer) dial(ctx context.Context, dctx *driver.Context, stream *driver.Stream) (*share.Importer, error) {
 	imp, err := share.Dial(ctx, c.cfg.socket, dctx, share.ImporterConfig{
 		Credits: uint32(c.cfg.credits), Stream: stream, Logger: c.log, WriteTimeout: c.cfg.writeTimeout,
-		DisableRing: !c.cfg.shm, RingSpin: c.cfg.spin,
+		DisableShm: !c.cfg.shm, ShmSpin: c.cfg.spin,
 		DialWait: c.cfg.wait,
 	})
 	if err == nil {

@@ -91,7 +91,7 @@ func explainDial(path string, err error) error {
 		return fail(ExitSocket, err, "the process at %s hung up during the handshake without a word: it is not a working cudashare producer, or it is overloaded (out of file descriptors)", path)
 	case protocolBroken(err):
 		// Something answered and broke the protocol (a malformed
-		// hello-ack, a ring segment that is not sealed or of the wrong
+		// hello-ack, a shm segment that is not sealed or of the wrong
 		// size): a producer is there, so this is not "no producer at the
 		// socket" but a protocol error, with its exit code.
 		return fail(ExitFailure, err, "the process at %s answered the handshake with something this consumer cannot accept (malformed, or outside the protocol): a bug in the producer, or not a cudashare producer; this consumer hung up", path)

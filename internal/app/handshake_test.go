@@ -19,7 +19,7 @@ import (
 )
 
 // TestConsumerProtocolErrorInHandshake: a process at the socket that
-// answers the consumer's hello with a malformed hello-ack, or with a ring
+// answers the consumer's hello with a malformed hello-ack, or with a shm
 // segment the consumer must refuse (not sealed against shrinking), is a
 // producer that is there and broke the protocol: the consumer exits with
 // ExitFailure saying so, not ExitSocket ("no producer at the socket").
@@ -37,7 +37,7 @@ func TestConsumerProtocolErrorInHandshake(t *testing.T) {
 		fd   bool // send an unsealed segment with it
 	}{
 		{"not msgpack", []byte{0xc1}, false},
-		{"unsealed ring segment", ack(transport.CapRing | transport.CapFDs), true},
+		{"unsealed shm segment", ack(transport.CapShm | transport.CapFDs), true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir, err := os.MkdirTemp("", "cudashare-app-")

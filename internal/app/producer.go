@@ -76,8 +76,8 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.DurationVar(&cfg.reportEvery, "report-every", 0, "print a JSON progress line (ProducerProgress: batches, consumers, leases, goroutines) to stdout this often, for scripts and tests watching a long run (0: none)")
 	fs.DurationVar(&cfg.writeTimeout, "write-timeout", 0, "drop a consumer that leaves the producer's messages unread this long (0: the transport's default, 10s)")
 	fs.StringVar(&cfg.sharing, "sharing", envOr("CUDASHARE_SHARING", "auto"), "how the buffers are shared: vmm (VMM allocations sent as file descriptors: work across containers, outlive the producer, never pinned by a lost consumer), ipc (legacy CUDA IPC handles), or auto (vmm where the device supports it); CUDASHARE_SHARING sets the default")
-	fs.BoolVar(&cfg.shm, "shm", true, "carry each consumer's messages through two rings in memory shared with it, if it allows them, instead of on its socket (no system call per message while both sides are busy)")
-	fs.DurationVar(&cfg.spin, "spin", 0, "with -shm, how long a receive polls a consumer's ring before it sleeps on the socket, while messages come about that often (0: the transport's default, 50µs; negative: never)")
+	fs.BoolVar(&cfg.shm, "shm", true, "carry each consumer's messages through the shm channel, memory shared with it, if it allows them, instead of on its socket (no system call per message while both sides are busy)")
+	fs.DurationVar(&cfg.spin, "spin", 0, "with -shm, how long a receive polls a consumer's shm lane before it sleeps on the socket, while messages come about that often (0: the transport's default, 50µs; negative: never)")
 	fs.BoolVar(&cfg.json, "json", false, "print one JSON line of results instead of the summary")
 	fs.BoolVar(&cfg.verbose, "v", false, "log consumers arriving and leaving")
 	cpuprofile := cpuProfileFlag(fs)
@@ -189,8 +189,8 @@ func (p *producer) run(ctx context.Context) error {
 		LeaseTimeout:         p.cfg.leaseTimeout,
 		MaxLeasesPerConsumer: p.cfg.maxLeases,
 		WriteTimeout:         p.cfg.writeTimeout,
-		DisableRing:          !p.cfg.shm,
-		RingSpin:             p.cfg.spin,
+		DisableShm:           !p.cfg.shm,
+		ShmSpin:              p.cfg.spin,
 	})
 	if err != nil {
 		return explainListen(p.cfg.socket, err)

@@ -94,7 +94,7 @@ type ConsumerReport struct {
 	ProducerDevice  string    `json:"producer_device"` // UUID of the memory's device
 	SameDevice      bool      `json:"same_device"`
 	Socket          string    `json:"socket"`
-	SHM             bool      `json:"shm"` // the messages went through shared-memory rings, not the socket
+	SHM             bool      `json:"shm"` // the messages went through the shm channel, not the socket
 	Workers         int       `json:"workers"`
 	Credits         int       `json:"credits"`
 	Verify          string    `json:"verify"`

@@ -92,7 +92,7 @@ def consume(args, out):
            "seconds": 0.0, "handoffs_per_s": 0.0, "p50_us": 0.0, "p99_us": 0.0, "max_us": 0.0, "cpu_us_per_handoff": 0.0, "bytes": 0,
            "size": 0, "verified": 0, "verify_errors": 0, "errors": 0, "buffers_seen": 0, "mappings": 0,
            "shm": False, "end": "", "exit": 0}
-    # shm: the messages went through the shared-memory rings (PROTOCOL.md
+    # shm: the messages went through the shm channel (PROTOCOL.md
     # 2.3), as the Go consumer's report says (--shm true asks for them).
     lat = []
     seen = set()
@@ -101,7 +101,7 @@ def consume(args, out):
     cpu0 = [None]  # the process's CPU time at the first receipt
     try:
         c = connect(args.socket, device=args.device, credits=args.credits, backend=args.driver, wait=args.wait,
-                    ring=args.shm)
+                    shm=args.shm)
     except KeyboardInterrupt:
         rep.update(end="signal", error="interrupted while connecting to %s" % args.socket, exit=EXIT_FAILURE)
         return rep
@@ -110,7 +110,7 @@ def consume(args, out):
         rep.update(end=end, error=err, exit=code)
         return rep
     rep["driver"], rep["driver_reason"] = c.backend, c.backend_reason
-    rep["shm"] = c.stats()["ring"]
+    rep["shm"] = c.stats()["shm"]
     rep["device_uuid"] = _uuid(c.device_uuid)
     if c.producer["devices"]:
         rep["producer_device"] = _uuid(c.producer["devices"][0])
@@ -227,9 +227,9 @@ def main(argv=None, restore_signals=True):
     cp.add_argument("--driver", choices=["auto", "cuda", "sim"], default="auto")
     cp.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the socket to appear")
     cp.add_argument("--shm", type=_flag, default=None, metavar="true|false",
-                    help="carry the messages through two rings in memory shared with the producer, if it allows "
+                    help="carry the messages through two lanes in memory shared with the producer, if it allows "
                          "them, instead of on the socket (as the Go consumer's -shm; default: only with "
-                         "CUDASHARE_RING=1, see cudashare/ring.py)")
+                         "CUDASHARE_SHM=1, see cudashare/shm.py)")
     a = p.parse_args(argv)
     if a.batches < 0 or a.workers < 1 or not 1 <= a.credits <= 1048576:
         p.error("--batches >= 0, --workers >= 1, --credits 1 to 1048576")

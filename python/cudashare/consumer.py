@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 
-from . import backends, ring, wire, errors
+from . import backends, shm, wire, errors
 from .errors import Closed, CudashareError, ProducerGone, ProtocolError, Timeout
 from .reader import BG_POLL, TICK, Reader
 from .releases import REAP_EVERY, Releases
@@ -57,7 +57,7 @@ _STOP_WAIT = 10.0
 
 
 def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeout=10.0,
-            frame_timeout=10.0, handle_sigterm=False, wait=0.0, ring=None, allowed_uids=None):
+            frame_timeout=10.0, handle_sigterm=False, wait=0.0, shm=None, allowed_uids=None):
     """Connects to the producer listening at path and returns a Consumer.
 
     device: the GPU (this process's ordinal) to map buffers on. credits: the
@@ -67,19 +67,19 @@ def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeou
     not there yet for that long. handle_sigterm: install a SIGTERM handler
     that says goodbye (closes every consumer) before the previous handler
     runs or the process exits 143; without it, only close(), the context
-    manager and interpreter exit say goodbye. ring: ask the producer for the
-    shared-memory rings (PROTOCOL.md 2.3: no system call per message while
+    manager and interpreter exit say goodbye. shm: ask the producer for the
+    shm channel (PROTOCOL.md 2.3: no system call per message while
     both sides are busy) where this process can use them; None: only if
-    CUDASHARE_RING=1 (cudashare/ring.py says why they are not the default).
-    ``stats()["ring"]`` says whether the connection has them,
-    ``ring_reason`` why not. allowed_uids: the users whose listener this
+    CUDASHARE_SHM=1 (cudashare/shm.py says why they are not the default).
+    ``stats()["shm"]`` says whether the connection has them,
+    ``shm_reason`` why not. allowed_uids: the users whose listener this
     consumer accepts (PROTOCOL.md section 1; None or empty: this process's
     effective uid only): a listener of another user, who could read or
     write what it lends, is told so (peer_refused) and ProtocolError is
     raised.
     """
-    if ring is None:
-        ring = os.environ.get("CUDASHARE_RING", "") == "1"
+    if shm is None:
+        shm = os.environ.get("CUDASHARE_SHM", "") == "1"
     if not 1 <= credits <= wire.MAX_CREDITS:
         raise ValueError("credits must be 1 to %d" % wire.MAX_CREDITS)
     deadline = time.monotonic() + max(timeout, wait)
@@ -105,7 +105,7 @@ def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeou
     except BaseException:
         sock.close()
         raise
-    c = Consumer(sock, path, device, credits, write_timeout, frame_timeout, ring)
+    c = Consumer(sock, path, device, credits, write_timeout, frame_timeout, shm)
     try:
         c._handshake(timeout, backend)
     except BaseException:
@@ -155,7 +155,7 @@ def install_sigterm_handler():
 class Consumer(Reader, Releases):
     """A connection to one producer. Use connect() to make one."""
 
-    def __init__(self, sock, path, device, credits, write_timeout, frame_timeout, want_ring=False):
+    def __init__(self, sock, path, device, credits, write_timeout, frame_timeout, want_shm=False):
         self.path = path
         self.device = device
         self.credits = credits
@@ -209,16 +209,16 @@ class Consumer(Reader, Releases):
         self._n_ordered = 0
         self._n_views = 0        # Lease.array's cached views, over every allocation
         self._reap_t = 0.0       # the last look for leases lost with their views (Releases._reap_orphans)
-        # The shared-memory rings (ring.py), once the handshake agreed on
+        # The shm channel (shm.py), once the handshake agreed on
         # them: frames go through _out, and the socket only carries
         # doorbells (_bell_left: bytes of one not yet written), errors and
         # the end.
-        self._want_ring = want_ring
-        self.ring_reason = ""
+        self._want_shm = want_shm
+        self.shm_reason = ""
         self._out = None
         self._seg = None
         self._bell_left = 0
-        self._writing = False    # a ring write is under way (under _wlock)
+        self._writing = False    # a lane write is under way (under _wlock)
         self._deferred = []      # frames of a write re-entered meanwhile
 
     # --- setup ---
@@ -226,7 +226,7 @@ class Consumer(Reader, Releases):
     def _send(self, msg):
         """Writes one message; raises if the write fails or times out.
 
-        Every writer holds _lock before it takes _wlock. A ring write is a
+        Every writer holds _lock before it takes _wlock. A lane write is a
         Python loop, in which the garbage collector may run a leaked lease's
         finalizer, which takes _lock to release the lease: holding _wlock
         without _lock there could deadlock with a thread that holds _lock and
@@ -236,7 +236,7 @@ class Consumer(Reader, Releases):
             with self._lock, self._wlock:
                 self._write(frame)
         except ProtocolError as e:
-            raise self._protocol_fail(e)  # a producer that broke ring 1's head (ring.py)
+            raise self._protocol_fail(e)  # a producer that broke lane 1's head (shm.py)
         except OSError as e:
             # After the handshake a failed write ends the connection: part of
             # the frame may have gone, and nothing after it can be read. A
@@ -248,7 +248,7 @@ class Consumer(Reader, Releases):
             raise
 
     def _write(self, frames):
-        """Writes whole frames, into the ring or on the socket; the caller
+        """Writes whole frames, into the lane or on the socket; the caller
         holds _wlock. Raises OSError if the write fails or times out."""
         out = self._out
         if out is None:
@@ -265,15 +265,15 @@ class Consumer(Reader, Releases):
             return
         self._writing = True
         try:
-            self._ring_write(out, frames)
+            self._lane_write(out, frames)
             while self._deferred:
-                self._ring_write(out, self._deferred.pop(0))
+                self._lane_write(out, self._deferred.pop(0))
         finally:
             self._writing = False
             self._deferred.clear()
 
-    def _ring_write(self, out, frames):
-        """Writes frames into ring 1, waiting while it is full: the whole
+    def _lane_write(self, out, frames):
+        """Writes frames into lane 1, waiting while it is full: the whole
         write within the write timeout, as sendall on the socket (a
         producer that reads a byte now and then cannot stretch it)."""
         off, n, start, pause = 0, len(frames), None, 0.0
@@ -287,12 +287,12 @@ class Consumer(Reader, Releases):
                 continue
             # Full: the producer is behind, or stopped.
             if self._sock_hup():
-                raise BrokenPipeError(errno.EPIPE, "the producer closed the connection and read nothing of a full ring")
+                raise BrokenPipeError(errno.EPIPE, "the producer closed the connection and read nothing of a full lane")
             now = time.monotonic()
             if start is None:
                 start = now
             elif now - start >= self._write_timeout:
-                why = "the producer made too little room in a full ring within %.3gs" % self._write_timeout
+                why = "the producer made too little room in a full lane within %.3gs" % self._write_timeout
                 try:
                     self._send_socket(wire.pack([wire.ERROR, errors.TIMEOUT, why]), 0.1)
                 except OSError:
@@ -307,17 +307,17 @@ class Consumer(Reader, Releases):
         cut short is finished before anything else goes on the socket."""
         left = self._bell_left or 4
         try:
-            k = self._sock.send(ring.BELL[4 - left:])
+            k = self._sock.send(shm.BELL[4 - left:])
         except (BlockingIOError, InterruptedError):
             k = 0
         if self._bell_left or k:
             self._bell_left = left - k
 
     def _send_socket(self, frame, timeout):
-        """Writes a frame on the non-blocking socket of a ring connection
+        """Writes a frame on the non-blocking socket of a shm connection
         (an error message), after any doorbell cut short, waiting up to
         timeout for room."""
-        b = memoryview(ring.BELL[4 - self._bell_left:] + frame if self._bell_left else frame)
+        b = memoryview(shm.BELL[4 - self._bell_left:] + frame if self._bell_left else frame)
         self._bell_left = 0
         deadline = time.monotonic() + timeout
         fd = self._sock.fileno()
@@ -347,16 +347,16 @@ class Consumer(Reader, Releases):
             return True
         return bool(r) and bool(r[0][1] & (select.POLLHUP | select.POLLERR))
 
-    def _unmap_ring(self):
-        """Unmaps the ring segment (PROTOCOL.md 2.3: a side unmaps it when it
-        closes the connection). Ring 0 is touched only by the holder of
-        _rtok and ring 1 only under _wlock, so with both held nothing is
-        using it; each ring checks, under its lock, that the segment is
+    def _unmap_shm(self):
+        """Unmaps the shm segment (PROTOCOL.md 2.3: a side unmaps it when it
+        closes the connection). Lane 0 is touched only by the holder of
+        _rtok and lane 1 only under _wlock, so with both held nothing is
+        using it; each lane checks, under its lock, that the segment is
         still mapped. A reader stuck past the wait keeps the mapping, which
         then goes with the last reference to it."""
         seg = self._seg
         if seg is None or self._rtok_owner == threading.get_ident():
-            # This thread reads the ring further down its stack: close() from
+            # This thread reads the lane further down its stack: close() from
             # a signal handler, or a finalizer, in the middle of a read.
             return
         # _rtok first: a reader holding it may take _lock.
@@ -365,7 +365,7 @@ class Consumer(Reader, Releases):
         try:
             with self._lock, self._wlock:
                 if self._writing:
-                    return  # the same, in the middle of a ring write (the locks are re-entrant)
+                    return  # the same, in the middle of a lane write (the locks are re-entrant)
                 seg.close()
                 self._seg = None
         finally:
@@ -382,32 +382,32 @@ class Consumer(Reader, Releases):
         self._rtok_owner = None
         self._rtok.release()
 
-    def _take_ring(self):
+    def _take_shm(self):
         """Maps the segment that came with the hello-ack (PROTOCOL.md 2.3):
-        it must be its only descriptor. Frames go through the rings from
+        it must be its only descriptor. Frames go through the shm channel from
         now on, and the socket turns non-blocking."""
         fds = self._rd.take_fds(len(self._rd.fds))
         try:
             if len(fds) != 1:
-                raise wire.malformed("hello-ack with the ring capability and %d descriptors, want 1 (the segment)", len(fds))
-            seg = ring.Segment(fds[0])
+                raise wire.malformed("hello-ack with the shm capability and %d descriptors, want 1 (the segment)", len(fds))
+            seg = shm.Segment(fds[0])
         finally:
             wire.close_fds(fds)
         rd = self._rd
         leftover = bytes(rd.buf[rd.pos:])
-        inbound, self._out = seg.rings()
+        inbound, self._out = seg.lanes()
         self._seg = seg
-        self._rd = ring.RingReader(self._sock, inbound, leftover, rd.frame_timeout)
+        self._rd = shm.ShmReader(self._sock, inbound, leftover, rd.frame_timeout)
         self._sock.settimeout(0.0)
 
     def _handshake(self, timeout, backend):
         caps = wire.CAP_FDS
-        if self._want_ring:
-            ok, self.ring_reason = ring.available()
+        if self._want_shm:
+            ok, self.shm_reason = shm.available()
             if ok:
-                caps |= wire.CAP_RING
+                caps |= wire.CAP_SHM
         else:
-            self.ring_reason = "not asked for (connect(ring=True) or CUDASHARE_RING=1 asks)"
+            self.shm_reason = "not asked for (connect(shm=True) or CUDASHARE_SHM=1 asks)"
         try:
             self._send([wire.HELLO, wire.VERSION, wire.ROLE_CONSUMER, os.getpid(), os.urandom(16), [],
                         caps, self.credits])
@@ -465,11 +465,11 @@ class Consumer(Reader, Releases):
         except OSError:
             peer_pid = 0
         self._rel_events_ok = bool(self.producer["caps"] & wire.CAP_RELEASE_EVENTS) and peer_pid != 0
-        if caps & wire.CAP_RING and self.producer["caps"] & wire.CAP_RING:
-            self._take_ring()
+        if caps & wire.CAP_SHM and self.producer["caps"] & wire.CAP_SHM:
+            self._take_shm()
         else:
-            if caps & wire.CAP_RING:
-                self.ring_reason = "the producer did not agree"
+            if caps & wire.CAP_SHM:
+                self.shm_reason = "the producer did not agree"
             self._sock.settimeout(self._write_timeout)
         self._backend = backends.select(backend, self.device, devs)
         self._reader = threading.Thread(target=self._read_loop, name="cudashare-reader %s" % self.path, daemon=True)
@@ -658,7 +658,7 @@ class Consumer(Reader, Releases):
             d = dict(self._stats)
             d.update(offers=self._n_offers, handoffs=self._n_handoffs, releases=self._n_releases,
                      bytes=self._n_bytes, release_messages=self._n_msgs, ordered_releases=self._n_ordered,
-                     ring=self._out is not None)
+                     shm=self._out is not None)
             return d
 
     def close(self, timeout=5.0, reason="consumer closed"):
@@ -711,7 +711,7 @@ class Consumer(Reader, Releases):
             pass
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(2.0)
-        self._unmap_ring()
+        self._unmap_shm()
         self._sock.close()
         self._rd.close_fds()
         with self._lock:

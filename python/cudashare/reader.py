@@ -89,7 +89,7 @@ class Reader:
             if self._queue and (user or self._waiters):
                 return True
             if self._out is not None:
-                # The rings: the ring first, then sleep on the socket.
+                # The shm channel: the lane first, then sleep on the socket.
                 more = rd.wait(timeout, self._poller)
             elif not self._poller.poll(int(timeout * 1000 + 0.999)):
                 return True
@@ -135,7 +135,7 @@ class Reader:
                 frame = wire.pack([wire.ERROR, err.code, str(err)[:wire.MAX_TEXT]])
                 with self._lock, self._wlock:  # _lock first: consumer._send says why
                     if self._out is not None:
-                        self._send_socket(frame, 0.1)  # the socket carries errors on a ring connection
+                        self._send_socket(frame, 0.1)  # the socket carries errors on a shm connection
                     else:
                         self._sock.settimeout(0.1)
                         self._sock.sendall(frame)
@@ -348,7 +348,7 @@ class Reader:
                 self._write(frames)
             return True
         except ProtocolError as e:
-            # A producer that broke ring 1's head (ring.py).
+            # A producer that broke lane 1's head (shm.py).
             self._protocol_fail(e)
             return False
         except OSError as e:

@@ -21,8 +21,8 @@ import time
 import msgpack
 
 HEADER = 4096
-CAP_RING = 8
-RING, CTL, SEG = 65536, 4096, 4096 + 2 * 65536
+CAP_SHM = 8
+LANE, CTL, SEG = 65536, 4096, 4096 + 2 * 65536
 
 
 def frame(msg):
@@ -58,9 +58,9 @@ def sim_memfd(size, fill, seals=SIM_SEALS, length=None):
     return fd
 
 
-def ring_memfd(size=SEG, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW):
-    """A ring segment (PROTOCOL.md 2.3), or a bad one."""
-    fd = os.memfd_create("cudashare-ring-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+def shm_memfd(size=SEG, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW):
+    """A shm segment (PROTOCOL.md 2.3), or a bad one."""
+    fd = os.memfd_create("cudashare-shm-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
     if seals:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
@@ -68,16 +68,16 @@ def ring_memfd(size=SEG, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW):
 
 
 class FakeProducer:
-    """caps with CAP_RING: if the consumer asks for the rings too, the
-    hello-ack carries a segment (ring_memfd(**seg)) and every later frame
+    """caps with CAP_SHM: if the consumer asks for the shm channel too, the
+    hello-ack carries a segment (shm_memfd(**seg)) and every later frame
     goes through it (plain stores: after each write the fake rings the
     doorbell, so the consumer's sleeping word need not be read)."""
 
     def __init__(self, caps=0, seg=None):
         self.seg_args = seg or {}
         self.mem = None
-        self.tail0 = 0   # bytes written into ring 0
-        self.head1 = 0   # bytes read from ring 1
+        self.tail0 = 0   # bytes written into lane 0
+        self.head1 = 0   # bytes read from lane 1
         self.sock_end = False
         self.dir = tempfile.mkdtemp(prefix="cudashare-test-")
         os.chmod(self.dir, 0o700)
@@ -96,8 +96,8 @@ class FakeProducer:
         self.conn.settimeout(timeout)
         self.hello = self.recv()
         ack = [2, 1, 1, os.getpid(), os.urandom(16), [b"\xaa" * 16], self.caps, 0]
-        if self.caps & CAP_RING and self.hello[6] & CAP_RING:
-            fd = ring_memfd(**self.seg_args)
+        if self.caps & CAP_SHM and self.hello[6] & CAP_SHM:
+            fd = shm_memfd(**self.seg_args)
             try:
                 self.raw(frame(ack), [fd])
                 if os.fstat(fd).st_size == SEG:
@@ -108,16 +108,16 @@ class FakeProducer:
             self.send(ack)
         return self.hello
 
-    # --- the rings: ring 0 this fake writes, ring 1 it reads ---
+    # --- the shm channel: lane 0 this fake writes, lane 1 it reads ---
 
     def word(self, off, v=None):
         if v is None:
             return struct.unpack_from("<Q", self.mem, off)[0]
         struct.pack_into("<Q", self.mem, off, v)
 
-    def ring_write(self, data, bell=True):
+    def lane_write(self, data, bell=True):
         for i, b in enumerate(data):
-            self.mem[CTL + (self.tail0 + i) % RING] = b
+            self.mem[CTL + (self.tail0 + i) % LANE] = b
         self.tail0 += len(data)
         self.word(0, self.tail0)
         if bell:
@@ -126,10 +126,10 @@ class FakeProducer:
     def bell(self, fds=()):
         self.raw(b"\0\0\0\0", fds)
 
-    def ring_read(self):
-        """Whatever ring 1 holds, marked read; b"" if nothing."""
+    def lane_read(self):
+        """Whatever lane 1 holds, marked read; b"" if nothing."""
         tail = self.word(256)
-        data = bytes(self.mem[CTL + RING + (self.head1 + i) % RING] for i in range(tail - self.head1))
+        data = bytes(self.mem[CTL + LANE + (self.head1 + i) % LANE] for i in range(tail - self.head1))
         self.head1 = tail
         self.word(256 + 128, self.head1)
         return data
@@ -144,7 +144,7 @@ class FakeProducer:
         if self.mem is not None:
             if fds:
                 self.bell(fds)  # descriptors go first, on a doorbell
-            self.ring_write(frame(msg))
+            self.lane_write(frame(msg))
         else:
             self.raw(frame(msg), fds)
 
@@ -155,10 +155,10 @@ class FakeProducer:
             self.conn.sendall(data)
 
     def recv(self, timeout=5):
-        """The next message, or None at end of stream. On a ring
-        connection: from ring 1, or an error message from the socket."""
+        """The next message, or None at end of stream. On a shm
+        connection: from lane 1, or an error message from the socket."""
         if self.mem is not None:
-            return self._recv_ring(timeout)
+            return self._recv_shm(timeout)
         while True:
             if len(self.buf) >= 4:
                 (n,) = struct.unpack(">I", self.buf[:4])
@@ -173,11 +173,11 @@ class FakeProducer:
                 return None
             self.buf += chunk
 
-    def _recv_ring(self, timeout):
+    def _recv_shm(self, timeout):
         deadline = time.monotonic() + timeout
         sbuf = b""
         while True:
-            self.buf += self.ring_read()
+            self.buf += self.lane_read()
             if len(self.buf) >= 4:
                 (n,) = struct.unpack(">I", self.buf[:4])
                 if len(self.buf) >= 4 + n:
@@ -191,7 +191,7 @@ class FakeProducer:
                 except ConnectionResetError:
                     chunk = b""
                 if not chunk:
-                    self.sock_end = True  # the ring is read once more, to its end
+                    self.sock_end = True  # the lane is read once more, to its end
                     continue
                 sbuf += chunk
                 while len(sbuf) >= 4:

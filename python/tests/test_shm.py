@@ -1,6 +1,6 @@
-"""The shared-memory rings (PROTOCOL.md 2.3) on the consumer's side: against
+"""The shm channel (PROTOCOL.md 2.3) on the consumer's side: against
 a fake producer that speaks them, honestly and not, and against the Go
-producer with and without them. A producer that breaks the rings gets an
+producer with and without them. A producer that breaks the shm channel gets an
 error on the socket, with the right code; the consumer never hangs, reads
 or writes outside the segment, or keeps a descriptor."""
 
@@ -15,19 +15,19 @@ import pytest
 
 import cudashare
 from cudashare import errors as E
-from cudashare import ring
+from cudashare import shm
 from conftest import connected
-from fakeproducer import CAP_RING, RING, frame, sim_memfd
+from fakeproducer import CAP_SHM, LANE, frame, sim_memfd
 
-pytestmark = pytest.mark.skipif(not ring.available()[0], reason="no rings here: %s" % ring.available()[1])
+pytestmark = pytest.mark.skipif(not shm.available()[0], reason="no shm channel here: %s" % shm.available()[1])
 
 MiB2 = 1 << 21
 
 
-def ring_fake(fake, seg=None, **kw):
-    f = fake(CAP_RING, seg)
+def shm_fake(fake, seg=None, **kw):
+    f = fake(CAP_SHM, seg)
     t = f.serve()
-    c = cudashare.connect(f.path, credits=kw.pop("credits", 4), backend="sim", ring=True, **kw)
+    c = cudashare.connect(f.path, credits=kw.pop("credits", 4), backend="sim", shm=True, **kw)
     t.join(5)
     return f, c
 
@@ -54,11 +54,11 @@ def failed_with(f, c, code):
     return ei.value
 
 
-def test_offers_releases_retire_goodbye_through_the_rings(fake):
-    f, c = ring_fake(fake)
-    assert c.stats()["ring"] and f.mem is not None
+def test_offers_releases_retire_goodbye_through_the_shm_channel(fake):
+    f, c = shm_fake(fake)
+    assert c.stats()["shm"] and f.mem is not None
     fd = sim_memfd(MiB2, 5)
-    f.offer(1, size=4096, kind=1, nfds=1, fds=[fd])  # the descriptor on a doorbell, the offer in the ring
+    f.offer(1, size=4096, kind=1, nfds=1, fds=[fd])  # the descriptor on a doorbell, the offer in the lane
     os.close(fd)
     f.offer(2, size=4096, offset=4096, kind=1)
     a, b = c.next(timeout=5), c.next(timeout=5)
@@ -73,7 +73,7 @@ def test_offers_releases_retire_goodbye_through_the_rings(fake):
     assert released == [1, 2]
     f.send([5, 1])  # retire
     assert f.recv_until(6) == [6, 1]
-    f.send([8, "done"])  # goodbye, in the ring
+    f.send([8, "done"])  # goodbye, in the lane
     with pytest.raises(cudashare.Closed):
         c.next(timeout=5)
     c.close(timeout=0.5)
@@ -81,17 +81,17 @@ def test_offers_releases_retire_goodbye_through_the_rings(fake):
     assert f.recv() is None  # the consumer's socket ended after its goodbye
 
 
-def test_goodbye_in_the_ring_then_close_with_doorbells_unread_is_a_clean_end(fake):
+def test_goodbye_in_the_lane_then_close_with_doorbells_unread_is_a_clean_end(fake):
     """The producer sleeps on its socket (so the consumer rings doorbells it
-    never reads), writes an offer and goodbye into the ring without a
+    never reads), writes an offer and goodbye into the lane without a
     doorbell while the consumer sleeps on its socket, and closes: AF_UNIX
-    reports that to the consumer as a reset, not end of stream. The ring is
+    reports that to the consumer as a reset, not end of stream. The lane is
     still read to its end, so the offer comes and the end is the goodbye,
     not a vanished producer."""
-    f, c = ring_fake(fake, credits=1)
-    struct.pack_into("<I", f.mem, 256 + 136, 1)  # ring 1's reader (the fake) sleeps
+    f, c = shm_fake(fake, credits=1)
+    struct.pack_into("<I", f.mem, 256 + 136, 1)  # lane 1's reader (the fake) sleeps
     offer_fd(f, 1)
-    c.next(timeout=5).release()  # pushed at once (credits 1): into ring 1, and a doorbell
+    c.next(timeout=5).release()  # pushed at once (credits 1): into lane 1, and a doorbell
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         try:
@@ -104,15 +104,15 @@ def test_goodbye_in_the_ring_then_close_with_doorbells_unread_is_a_clean_end(fak
 
     def take():
         try:
-            got.append(c.next(timeout=5).seq)  # the ring is empty: it sleeps on the socket
+            got.append(c.next(timeout=5).seq)  # the lane is empty: it sleeps on the socket
             c.next(timeout=5)
         except Exception as e:
             got.append(e)
     t = threading.Thread(target=take)
     t.start()
     time.sleep(0.3)
-    f.ring_write(frame(offer_msg_2()), bell=False)
-    f.ring_write(frame([8, "bye"]), bell=False)
+    f.lane_write(frame(offer_msg_2()), bell=False)
+    f.lane_write(frame([8, "bye"]), bell=False)
     f.conn.close()
     f.conn = None
     t.join(10)
@@ -131,23 +131,23 @@ def offer_msg_2():
     ({"seals": fcntl.F_SEAL_GROW}, "sealed"),
 ])
 def test_bad_segment_fails_the_handshake(fake, seg, why):
-    f = fake(CAP_RING, seg)
+    f = fake(CAP_SHM, seg)
     t = f.serve()
     with pytest.raises(cudashare.ProtocolError) as ei:
-        cudashare.connect(f.path, backend="sim", ring=True)
+        cudashare.connect(f.path, backend="sim", shm=True)
     t.join(5)
     assert ei.value.code == E.MALFORMED and why in str(ei.value)
 
 
-def test_tail_beyond_the_ring_is_malformed(fake):
-    f, c = ring_fake(fake)
-    f.word(0, RING + 1)  # more than a ring's worth ahead
+def test_tail_beyond_the_lane_is_malformed(fake):
+    f, c = shm_fake(fake)
+    f.word(0, LANE + 1)  # more than a lane's worth ahead
     f.bell()
     failed_with(f, c, E.MALFORMED)
 
 
 def test_tail_behind_what_was_read_is_malformed(fake):
-    f, c = ring_fake(fake)
+    f, c = shm_fake(fake)
     offer_fd(f, 1)
     c.next(timeout=5).release()
     f.word(0, 1)  # backwards
@@ -156,12 +156,12 @@ def test_tail_behind_what_was_read_is_malformed(fake):
 
 
 def test_head_moved_backwards_fails_the_release(fake):
-    """The producer's word in ring 1: a head behind what it had read, or
+    """The producer's word in lane 1: a head behind what it had read, or
     past what was written, could make the consumer overwrite unread bytes.
     The release does not raise; the connection fails, and next() says so."""
-    f, c = ring_fake(fake, credits=1)
+    f, c = shm_fake(fake, credits=1)
     offer_fd(f, 1)
-    c.next(timeout=5).release()  # one release message in ring 1
+    c.next(timeout=5).release()  # one release message in lane 1
     assert f.recv_until(4) == [4, [1]]
     f.offer(2, size=4096, kind=1)
     lease = c.next(timeout=5)
@@ -176,7 +176,7 @@ def test_head_moved_backwards_fails_the_release(fake):
 
 
 def test_head_behind_what_was_read_fails_the_write(fake):
-    f, c = ring_fake(fake)
+    f, c = shm_fake(fake)
     c.grant(1)
     assert f.recv() == [7, 1]   # the fake's head moves past it
     c.grant(1)                  # the consumer sees that head
@@ -193,8 +193,8 @@ def test_head_behind_what_was_read_fails_the_write(fake):
 def test_write_timeout_bounds_the_whole_write(fake):
     """A producer that reads a byte now and then cannot stretch a write past
     the write timeout: it bounds the whole write, as sendall's does."""
-    f, c = ring_fake(fake, write_timeout=0.5)
-    while RING - (c._out.pos - f.word(256 + 128)) > 64:  # fill ring 1, unread
+    f, c = shm_fake(fake, write_timeout=0.5)
+    while LANE - (c._out.pos - f.word(256 + 128)) > 64:  # fill lane 1, unread
         c.grant(1)
     stop = threading.Event()
 
@@ -220,7 +220,7 @@ def test_write_timeout_bounds_the_whole_write(fake):
 def test_declared_descriptors_that_never_come_fail_in_bounded_time(fake):
     """An offer that declares a descriptor, then only doorbells: the search
     for it is bounded, and the offer is malformed."""
-    f, c = ring_fake(fake)
+    f, c = shm_fake(fake)
     stop = threading.Event()
 
     def bells():
@@ -229,7 +229,7 @@ def test_declared_descriptors_that_never_come_fail_in_bounded_time(fake):
                 f.conn.sendall(b"\0\0\0\0" * 1024)
             except OSError:
                 return
-    f.ring_write(frame([3, 1, 1, 1, bytes(64), MiB2, 0, 4096, b"\xaa" * 16, None, None, 1, 1]), bell=False)
+    f.lane_write(frame([3, 1, 1, 1, bytes(64), MiB2, 0, 4096, b"\xaa" * 16, None, None, 1, 1]), bell=False)
     t = threading.Thread(target=bells, daemon=True)
     t.start()
     t0 = time.monotonic()
@@ -247,9 +247,9 @@ def test_declared_descriptors_that_never_come_fail_in_bounded_time(fake):
 def test_close_unmaps_and_later_writes_fail(fake):
     def mapped():
         with open("/proc/self/maps") as m:
-            return sum("cudashare-ring" in l for l in m)
+            return sum("cudashare-shm" in l for l in m)
     before = mapped()
-    f, c = ring_fake(fake)
+    f, c = shm_fake(fake)
     assert mapped() == before + 2  # the fake's mapping and the consumer's
     c.close(timeout=0.5)
     assert mapped() == before + 1
@@ -258,11 +258,11 @@ def test_close_unmaps_and_later_writes_fail(fake):
 
 
 def test_writers_hold_the_consumer_lock(fake):
-    """Every ring write runs with _lock held before _wlock: a leaked
+    """Every lane write runs with _lock held before _wlock: a leaked
     lease's finalizer that the garbage collector runs inside the write then
     takes _lock again in the same thread, instead of waiting for a thread
     that holds _lock and waits for _wlock (a deadlock)."""
-    f, c = ring_fake(fake)
+    f, c = shm_fake(fake)
     out = c._out
     held = []
 
@@ -285,25 +285,25 @@ def test_writers_hold_the_consumer_lock(fake):
     c.close(timeout=0.5)
 
 
-def test_half_a_frame_in_the_ring_times_out(fake):
-    f, c = ring_fake(fake, frame_timeout=0.5)
-    f.ring_write(struct.pack(">I", 100) + b"\x93" * 10)
+def test_half_a_frame_in_the_lane_times_out(fake):
+    f, c = shm_fake(fake, frame_timeout=0.5)
+    f.lane_write(struct.pack(">I", 100) + b"\x93" * 10)
     t0 = time.monotonic()
     failed_with(f, c, E.TIMEOUT)
     assert time.monotonic() - t0 < 10
 
 
-def test_zero_length_frame_in_the_ring_is_malformed(fake):
-    """Doorbells are for the socket; in the ring a zero length is not a frame."""
-    f, c = ring_fake(fake)
-    f.ring_write(b"\0\0\0\0")
+def test_zero_length_frame_in_the_lane_is_malformed(fake):
+    """Doorbells are for the socket; in the lane a zero length is not a frame."""
+    f, c = shm_fake(fake)
+    f.lane_write(b"\0\0\0\0")
     failed_with(f, c, E.MALFORMED)
 
 
 def test_descriptor_flood_on_doorbells_is_bounded(fake):
     """Descriptors may come before their offer, but no more than those of
     two offers wait; every one received is closed."""
-    f, c = ring_fake(fake)
+    f, c = shm_fake(fake)
     for _ in range(3):
         fds = [sim_memfd(4096, 0) for _ in range(4)]
         f.bell(fds)
@@ -312,22 +312,22 @@ def test_descriptor_flood_on_doorbells_is_bounded(fake):
     failed_with(f, c, E.MALFORMED)
 
 
-def test_offer_on_the_socket_of_a_ring_connection_is_unexpected(fake):
-    f, c = ring_fake(fake)
+def test_offer_on_the_socket_of_a_shm_connection_is_unexpected(fake):
+    f, c = shm_fake(fake)
     f.raw(frame([3, 1, 1, 1, bytes(64), MiB2, 0, 4096, b"\xaa" * 16, None, None, 0, 1]))
     failed_with(f, c, E.UNEXPECTED_MESSAGE)
 
 
-def test_big_frame_on_the_socket_of_a_ring_connection_is_malformed(fake):
+def test_big_frame_on_the_socket_of_a_shm_connection_is_malformed(fake):
     """Only doorbells and errors go on the socket: a long frame there is
     refused from its header, before it is buffered."""
-    f, c = ring_fake(fake)
+    f, c = shm_fake(fake)
     f.raw(struct.pack(">I", 1 << 20))
     failed_with(f, c, E.MALFORMED)
 
 
 def test_error_on_the_socket_ends_the_connection(fake):
-    f, c = ring_fake(fake)
+    f, c = shm_fake(fake)
     f.raw(frame([9, E.TIMEOUT, "you were too slow"]))
     with pytest.raises(cudashare.ProtocolError) as ei:
         c.next(timeout=5)
@@ -335,41 +335,41 @@ def test_error_on_the_socket_ends_the_connection(fake):
     c.close(timeout=0.5)
 
 
-def test_ring_full_past_the_write_timeout(fake):
-    """A producer that never reads ring 1: the consumer's writes wait the
+def test_shm_full_past_the_write_timeout(fake):
+    """A producer that never reads lane 1: the consumer's writes wait the
     write timeout, as on a full socket, then fail, and it says why on the
     socket."""
-    f, c = ring_fake(fake, write_timeout=0.5)
+    f, c = shm_fake(fake, write_timeout=0.5)
     t0 = time.monotonic()
     with pytest.raises(OSError):
-        for _ in range(RING):  # about 6 bytes per credit message: the ring fills long before
+        for _ in range(LANE):  # about 6 bytes per credit message: the lane fills long before
             c.grant(1)
     assert time.monotonic() - t0 < 10
-    m = f.recv_until(9)  # read from the socket: ring 1 is full of credits
+    m = f.recv_until(9)  # read from the socket: lane 1 is full of credits
     assert m is not None and m[1] == E.TIMEOUT, m
     c.close(timeout=0.5)
 
 
-def test_ring_false_stays_on_the_socket(fake):
-    f, c = connected(fake, caps=CAP_RING, ring=False)
-    assert not c.stats()["ring"] and f.mem is None and "not asked" in c.ring_reason
+def test_shm_false_stays_on_the_socket(fake):
+    f, c = connected(fake, caps=CAP_SHM, shm=False)
+    assert not c.stats()["shm"] and f.mem is None and "not asked" in c.shm_reason
     c.close(timeout=0.5)
 
 
 @pytest.mark.parametrize("env,want", [("", False), ("0", False), ("1", True)])
-def test_rings_by_default_only_with_the_environment(fake, monkeypatch, env, want):
-    """Not the default (ring.py says why); CUDASHARE_RING=1 makes them so."""
-    monkeypatch.setenv("CUDASHARE_RING", env)
-    f, c = connected(fake, caps=CAP_RING)
-    assert c.stats()["ring"] == want and (f.mem is not None) == want
+def test_shm_by_default_only_with_the_environment(fake, monkeypatch, env, want):
+    """Not the default (shm.py says why); CUDASHARE_SHM=1 makes them so."""
+    monkeypatch.setenv("CUDASHARE_SHM", env)
+    f, c = connected(fake, caps=CAP_SHM)
+    assert c.stats()["shm"] == want and (f.mem is not None) == want
     c.close(timeout=0.5)
 
 
-def test_go_producer_with_and_without_the_rings(go_producer):
+def test_go_producer_with_and_without_the_shm_channel(go_producer):
     for want in (True, False):
         p = go_producer("-count", "300", "-size", "64KiB", "-sharing", "vmm")
-        with cudashare.connect(p.path, backend="sim", wait=5, ring=want) as c:
-            assert c.stats()["ring"] == want
+        with cudashare.connect(p.path, backend="sim", wait=5, shm=want) as c:
+            assert c.stats()["shm"] == want
             n = 0
             for lease in c:
                 with lease:
@@ -381,9 +381,9 @@ def test_go_producer_with_and_without_the_rings(go_producer):
 
 def test_write_reentered_by_a_finalizer_does_not_interleave(fake):
     """The garbage collector may run a leaked lease's finalizer in the
-    middle of a ring write, in the writing thread, and that release pushes
+    middle of a lane write, in the writing thread, and that release pushes
     a message: it goes after the frame being written, never inside it."""
-    f, c = ring_fake(fake)
+    f, c = shm_fake(fake)
     out = c._out
     entered = []
 
@@ -404,12 +404,12 @@ def test_write_reentered_by_a_finalizer_does_not_interleave(fake):
     c.close(timeout=0.5)
 
 
-def test_close_in_the_middle_of_a_ring_write_keeps_the_mapping(fake):
+def test_close_in_the_middle_of_a_lane_write_keeps_the_mapping(fake):
     """close() from a signal handler (or anything else that runs in the
-    writing thread) while a ring write is under way: the locks are
+    writing thread) while a lane write is under way: the locks are
     re-entrant, so close() gets in, but it must not unmap the segment under
     the write, which then goes on (it used to crash the process)."""
-    f, c = ring_fake(fake)
+    f, c = shm_fake(fake)
     out = c._out
     closed = []
 
@@ -431,10 +431,10 @@ def test_close_in_the_middle_of_a_ring_write_keeps_the_mapping(fake):
 
 
 def test_close_in_the_middle_of_a_read_returns_promptly(fake):
-    """close() in the thread that reads the ring (a signal handler during
+    """close() in the thread that reads the lane (a signal handler during
     next()): it cannot wait for that thread to let go of the socket, so it
     neither waits nor unmaps."""
-    f, c = ring_fake(fake)
+    f, c = shm_fake(fake)
     rd = c._rd
     real = rd.wait
     took = []
@@ -452,9 +452,9 @@ def test_close_in_the_middle_of_a_read_returns_promptly(fake):
     assert c._seg is not None
 
 
-def test_ring_calls_after_unmap_raise(fake):
-    f, c = ring_fake(fake)
-    out, rin = c._out, c._rd.ring
+def test_shm_calls_after_unmap_raise(fake):
+    f, c = shm_fake(fake)
+    out, rin = c._out, c._rd.lane
     c.close(timeout=0.5)
     assert c._seg is None
     for call in (lambda: out.write(b"x"), out.asleep, rin.ready, lambda: rin.read(10), rin.sleep):
@@ -462,26 +462,26 @@ def test_ring_calls_after_unmap_raise(fake):
             call()
 
 
-@pytest.mark.parametrize("rings", [False, True])
-def test_failed_write_leaves_the_producers_error_to_the_reader(fake, rings):
+@pytest.mark.parametrize("shm_on", [False, True])
+def test_failed_write_leaves_the_producers_error_to_the_reader(fake, shm_on):
     """The producer says why and closes; a write of the application's fails
     before the reader has read the why: the end is the producer's error,
     not a vanished producer."""
-    f, c = (ring_fake(fake) if rings else connected(fake))
+    f, c = (shm_fake(fake) if shm_on else connected(fake))
     c._user_t = time.monotonic() + 1e6  # the background reader stays off the socket
     time.sleep(0.1)
     assert c._rtok.acquire(timeout=2)
     try:
         why = [9, E.TIMEOUT, "dropped: too slow"]
-        if rings:
-            f.raw(frame(why))  # errors go on the socket of a ring connection
+        if shm_on:
+            f.raw(frame(why))  # errors go on the socket of a shm connection
         else:
             f.send(why)
         f.conn.close()
         f.conn = None
         time.sleep(0.05)
         with pytest.raises(OSError):
-            for _ in range(RING):
+            for _ in range(LANE):
                 c.grant(1)
     finally:
         c._rtok.release()
@@ -499,7 +499,7 @@ def test_segment_shrunk_between_checks(monkeypatch):
     seals come first: once sealed, the size read is the size mapped."""
     fd = os.memfd_create("cudashare-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        os.ftruncate(fd, ring.SEG_SIZE)
+        os.ftruncate(fd, shm.SEG_SIZE)
         real = os
 
         class HostileOS:
@@ -514,9 +514,9 @@ def test_segment_shrunk_between_checks(monkeypatch):
                     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
                 return st
 
-        monkeypatch.setattr(ring, "os", HostileOS())
+        monkeypatch.setattr(shm, "os", HostileOS())
         try:
-            seg = ring.Segment(fd)
+            seg = shm.Segment(fd)
         except cudashare.ProtocolError as e:
             assert e.code == E.MALFORMED and "sealed" in str(e), e
         else:

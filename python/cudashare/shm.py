@@ -1,7 +1,7 @@
-"""The shared-memory rings of PROTOCOL.md section 2.3, the consumer's side.
+"""The shm channel of PROTOCOL.md section 2.3, the consumer's side.
 
-When the producer agrees (the ``ring`` capability), every frame after the
-handshake travels through two byte rings in a memfd segment the producer
+When the producer agrees (the ``shm`` capability), every frame after the
+handshake travels through two byte lanes in a memfd segment the producer
 creates, instead of on the socket: no system call per message while both
 sides are busy. The socket stays for the doorbell that wakes a side asleep
 on it, descriptors, error messages and the end of the connection.
@@ -10,21 +10,21 @@ The page asks for sequentially consistent atomic loads, stores and swaps of
 the control words. Python has none, so they come from libatomic (GCC's
 runtime library, ``libatomic.so.1``) through ctypes: its ``__atomic_*_N``
 functions are the C11 atomics on a raw address. Where it cannot be loaded,
-``available()`` says why and the consumer does not ask for the ring.
+``available()`` says why and the consumer does not ask for the shm channel.
 
-A consumer asks for the rings only when told to (``connect(ring=True)``,
-``CUDASHARE_RING=1``): measured on two H100s (32 cores), a Python consumer
-made as many handoffs through the rings as on the socket, with or without a
+A consumer asks for the shm channel only when told to (``connect(shm=True)``,
+``CUDASHARE_SHM=1``): measured on two H100s (32 cores), a Python consumer
+made as many handoffs through the shm channel as on the socket, with or without a
 torch op per batch, because its bound is the interpreter, not the system
-calls; and the Go producer polls a ring between messages, so each Python
-consumer on the rings costs it about twice the CPU per batch. On a host
+calls; and the Go producer polls a lane between messages, so each Python
+consumer on the shm channel costs it about twice the CPU per batch. On a host
 with few, busy cores, where every wake-up of the socket costs a context
-switch, the rings did 1.5x the socket's handoffs (bench/RESULTS.md).
+switch, the shm channel did 1.5x the socket's handoffs (bench/RESULTS.md).
 
-A consumer is always the dialer: it reads ring 0 and writes ring 1. The
+A consumer is always the dialer: it reads lane 0 and writes lane 1. The
 words in the segment belong to a peer that may lie: a tail or head that
 could make this side read or write outside the segment, or go backwards,
-fails the connection (``malformed``), and bytes are copied out of the ring
+fails the connection (``malformed``), and bytes are copied out of the lane
 before anything decodes them.
 """
 
@@ -41,9 +41,9 @@ import struct
 from . import errors, wire
 from .errors import ProtocolError
 
-RING_SIZE = 65536
+LANE_SIZE = 65536
 CTL_PAGE = 4096
-SEG_SIZE = CTL_PAGE + 2 * RING_SIZE
+SEG_SIZE = CTL_PAGE + 2 * LANE_SIZE
 CTL_STEP = 256
 TAIL, HEAD, SLEEPING = 0, 128, 136
 
@@ -97,7 +97,7 @@ def _load():
 
 
 def available():
-    """Whether this process can use the rings; (ok, reason)."""
+    """Whether this process can use the shm channel; (ok, reason)."""
     return _load() is not None, _reason or ""
 
 
@@ -122,34 +122,34 @@ class Segment:
         self.base = None
         at = _load()
         if at is None:
-            raise ProtocolError(errors.INTERNAL, "the ring segment arrived, but this process has no atomics: %s" % _reason)
+            raise ProtocolError(errors.INTERNAL, "the shm segment arrived, but this process has no atomics: %s" % _reason)
         try:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError as e:
-            raise _malformed("the ring segment is not sealed against shrinking and growing (F_GET_SEALS: %s)", e)
+            raise _malformed("the shm segment is not sealed against shrinking and growing (F_GET_SEALS: %s)", e)
         want = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
         if seals & want != want:
-            raise _malformed("the ring segment is not sealed against shrinking and growing (seals %#x)", seals)
+            raise _malformed("the shm segment is not sealed against shrinking and growing (seals %#x)", seals)
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != SEG_SIZE:
-            raise _malformed("the ring segment: mode %o, %d bytes, want a regular file of %d",
+            raise _malformed("the shm segment: mode %o, %d bytes, want a regular file of %d",
                              st.st_mode, st.st_size, SEG_SIZE)
         libc = _libc()
         p = libc.mmap(None, SEG_SIZE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED, fd, 0)
         if p is None or p == ctypes.c_void_p(-1).value:
             e = ctypes.get_errno()
-            raise ProtocolError(errors.INTERNAL, "mmap of the ring segment: %s" % os.strerror(e))
+            raise ProtocolError(errors.INTERNAL, "mmap of the shm segment: %s" % os.strerror(e))
         self.base = p
         self._at = at
         self._munmap = libc.munmap
 
-    def rings(self):
-        """(ring 0 to read, ring 1 to write). Each keeps the segment; the
+    def lanes(self):
+        """(lane 0 to read, lane 1 to write). Each keeps the segment; the
         segment keeps neither (no cycle: it goes with the last of them)."""
-        return RingIn(self, self.base, self._at), RingOut(self, self.base, self._at)
+        return LaneIn(self, self.base, self._at), LaneOut(self, self.base, self._at)
 
     def close(self):
-        """Unmaps the segment. The caller excludes every user of its rings
+        """Unmaps the segment. The caller excludes every user of its lanes
         (each checks, under the lock that the caller holds, that it is
         still mapped); idempotent."""
         b = self.base
@@ -161,7 +161,7 @@ class Segment:
 
 
 def _unmapped():
-    return OSError(errno.EBADF, "the ring segment is unmapped: the connection is closed")
+    return OSError(errno.EBADF, "the shm segment is unmapped: the connection is closed")
 
 
 _libc_fns = None
@@ -181,8 +181,8 @@ def _libc():
     return _libc_fns
 
 
-class RingIn:
-    """Ring 0 as its reader sees it. Used by one thread at a time (the one
+class LaneIn:
+    """Lane 0 as its reader sees it. Used by one thread at a time (the one
     that reads the connection)."""
 
     __slots__ = ("seg", "data", "pos", "_tail", "_head", "_sleeping", "_load8", "_store8", "_load4", "_xchg4")
@@ -205,17 +205,17 @@ class RingIn:
         if self.seg.base is None:
             raise _unmapped()
         avail = (self._load8(self._tail, _SEQ_CST) - self.pos) & wire.U64
-        if avail > RING_SIZE:
-            raise _malformed("ring tail %d bytes ahead of what was read (ring of %d)", avail, RING_SIZE)
+        if avail > LANE_SIZE:
+            raise _malformed("lane tail %d bytes ahead of what was read (lane of %d)", avail, LANE_SIZE)
         n = min(avail, room)
         if n <= 0:
             return b""
-        at = self.pos % RING_SIZE
+        at = self.pos % LANE_SIZE
         d = self.data
-        if at + n <= RING_SIZE:
+        if at + n <= LANE_SIZE:
             out = _string_at(d + at, n)
         else:
-            k = RING_SIZE - at
+            k = LANE_SIZE - at
             out = _string_at(d + at, k) + _string_at(d, n - k)
         self.pos += n
         self._store8(self._head, self.pos & wire.U64, _SEQ_CST)
@@ -233,14 +233,14 @@ class RingIn:
             self._xchg4(self._sleeping, 0, _SEQ_CST)
 
 
-class RingOut:
-    """Ring 1 as its writer sees it; the caller holds the write lock."""
+class LaneOut:
+    """Lane 1 as its writer sees it; the caller holds the write lock."""
 
     __slots__ = ("seg", "data", "pos", "seen", "_tail", "_head", "_sleeping", "_load8", "_xchg8", "_load4", "_xchg4")
 
     def __init__(self, seg, base, at):
         self.seg = seg  # keeps the mapping
-        self.data = base + CTL_PAGE + RING_SIZE
+        self.data = base + CTL_PAGE + LANE_SIZE
         self.pos = 0
         self.seen = 0
         c = base + CTL_STEP
@@ -249,22 +249,22 @@ class RingOut:
 
     def write(self, b, off=0):
         """Copies as much of b[off:] as there is room for and publishes it;
-        returns how much (0: the ring is full)."""
+        returns how much (0: the lane is full)."""
         if self.seg.base is None:
             raise _unmapped()
         head = self._load8(self._head, _SEQ_CST)
-        if ((head - self.seen) & wire.U64) > RING_SIZE or ((self.pos - head) & wire.U64) > RING_SIZE:
-            raise _malformed("ring head moved from %d to %d, with %d written", self.seen, head, self.pos)
+        if ((head - self.seen) & wire.U64) > LANE_SIZE or ((self.pos - head) & wire.U64) > LANE_SIZE:
+            raise _malformed("lane head moved from %d to %d, with %d written", self.seen, head, self.pos)
         self.seen = head
-        n = min(RING_SIZE - (self.pos - head), len(b) - off)
+        n = min(LANE_SIZE - (self.pos - head), len(b) - off)
         if n <= 0:
             return 0
-        at = self.pos % RING_SIZE
+        at = self.pos % LANE_SIZE
         d = self.data
-        if at + n <= RING_SIZE:
+        if at + n <= LANE_SIZE:
             _memmove(d + at, b[off:off + n] if off or n < len(b) else b, n)
         else:
-            k = RING_SIZE - at
+            k = LANE_SIZE - at
             _memmove(d + at, b[off:off + k], k)
             _memmove(d, b[off + k:off + n], n - k)
         self.pos += n
@@ -288,41 +288,41 @@ BELL = b"\0\0\0\0"          # the doorbell: a frame header of length 0
 _unpack_len = struct.Struct(">I").unpack_from
 
 
-class RingReader(wire.FrameReader):
-    """The reading side of a ring connection, a wire.FrameReader whose
-    frames come from ring 0 (next_frame, close_fds, fds, eof as there);
+class ShmReader(wire.FrameReader):
+    """The reading side of a shm connection, a wire.FrameReader whose
+    frames come from lane 0 (next_frame, close_fds, fds, eof as there);
     doorbells, descriptors, an error and the end come from the socket,
     which is non-blocking. It holds at most one frame and one read of the
-    ring, one socket frame and MAX_QUEUED_FDS descriptors."""
+    lane, one socket frame and MAX_QUEUED_FDS descriptors."""
 
-    def __init__(self, sock, ring_in, leftover, frame_timeout):
+    def __init__(self, sock, lane_in, leftover, frame_timeout):
         super().__init__(sock, frame_timeout)
-        self.ring = ring_in
+        self.lane = lane_in
         self.sbuf = bytearray(leftover)  # socket bytes not yet taken (after the hello-ack)
-        self.sock_end = False  # the socket reached its end (the ring may still hold bytes)
+        self.sock_end = False  # the socket reached its end (the lane may still hold bytes)
         self._socket_frames()
 
     def pull(self):
-        """Copies what ring 0 holds (as much as fits) into the buffer;
+        """Copies what lane 0 holds (as much as fits) into the buffer;
         returns how many bytes."""
         if self.pos:
             del self.buf[:self.pos]
             self.pos = 0
-        room = 4 + wire.FRAME_CAP + RING_SIZE - len(self.buf)
+        room = 4 + wire.FRAME_CAP + LANE_SIZE - len(self.buf)
         if room <= 0:
             return 0
-        data = self.ring.read(room)
+        data = self.lane.read(room)
         if data:
             self.buf += data
         return len(data)
 
     def wait(self, timeout, poller):
-        """Brings bytes from the ring, waiting up to timeout seconds: when
+        """Brings bytes from the lane, waiting up to timeout seconds: when
         it is empty, sleeps on the socket at once (PROTOCOL.md 2.3) and takes
         what that brings. Returns False once the connection has ended: the
-        socket's end, with the ring read to its end.
+        socket's end, with the lane read to its end.
 
-        It does not poll the ring first, as the Go side does: a Python
+        It does not poll the lane first, as the Go side does: a Python
         thread that polls holds the interpreter from every other thread of
         the application, and on two H100s polling gained nothing here (the
         interpreter, not the system calls, is a Python consumer's bound)."""
@@ -331,7 +331,7 @@ class RingReader(wire.FrameReader):
         if self.sock_end:
             self.eof = True
             return False
-        r = self.ring
+        r = self.lane
         r.sleep()
         try:
             if r.ready():
@@ -358,7 +358,7 @@ class RingReader(wire.FrameReader):
             return False
         except ConnectionResetError:
             # A producer that closed with our doorbells unread: the end
-            # (AF_UNIX reports it so), and the ring is still read to its end.
+            # (AF_UNIX reports it so), and the lane is still read to its end.
             self.sock_end = True
             return True
         self.fds.extend(wire.received_fds(anc, flags, len(self.fds), MAX_QUEUED_FDS))
@@ -377,7 +377,7 @@ class RingReader(wire.FrameReader):
                 del b[:4]
                 continue
             if n > SOCK_FRAME_MAX:
-                raise wire.malformed("a frame of %d bytes on the socket of a ring connection, where only "
+                raise wire.malformed("a frame of %d bytes on the socket of a shm connection, where only "
                                      "doorbells, descriptors and errors go", n)
             if len(b) < 4 + n:
                 return
@@ -387,12 +387,12 @@ class RingReader(wire.FrameReader):
             if kind == wire.ERROR:
                 wire.need(m, 3, "error")
                 raise ProtocolError(wire.uint(m[1], "error.code"), wire.text(m[2], "error.message"), remote=True)
-            raise ProtocolError(errors.UNEXPECTED_MESSAGE, "message kind %r on the socket of a ring connection, "
+            raise ProtocolError(errors.UNEXPECTED_MESSAGE, "message kind %r on the socket of a shm connection, "
                                 "where only doorbells, descriptors and errors go" % (kind,))
 
     def take_fds(self, n):
         """Claims the first n queued descriptors for an offer read from the
-        ring; they left on the socket before it, so the socket is read
+        lane; they left on the socket before it, so the socket is read
         without waiting until they are there."""
         reads = 0
         while len(self.fds) < n and not self.sock_end and reads < TAKE_FDS_READS:

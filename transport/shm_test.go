@@ -19,13 +19,13 @@ import (
 	"github.com/seed743c36cf/cudashare/internal/testutil"
 )
 
-// socketModeEnv, set, makes testConfig disable the ring: TestSocketMode
+// socketModeEnv, set, makes testConfig disable the shm channel: TestSocketMode
 // runs the package's connection tests again that way.
 const socketModeEnv = "CUDASHARE_TRANSPORT_SOCKET"
 
-// TestSocketMode runs the tests of two Conns talking again with the ring
-// disabled, so that the socket path between two Go peers, which a peer
-// without CapRing (the Python consumer) uses, stays covered.
+// TestSocketMode runs the tests of two Conns talking again with the shm
+// channel disabled, so that the socket path between two Go peers, which a peer
+// without CapShm (the Python consumer) uses, stays covered.
 func TestSocketMode(t *testing.T) {
 	if os.Getenv(socketModeEnv) != "" {
 		t.Skip("running in socket mode already")
@@ -33,7 +33,7 @@ func TestSocketMode(t *testing.T) {
 	if testing.Short() {
 		t.Skip("-short")
 	}
-	cmd := exec.Command(os.Args[0], "-test.run", "^Test(Exchange|Credits|FDPassing|Close|ConcurrentSenders|ShutdownWhilePeerWrites|SocketFullKeepsOrder|SendGoodbye.*|WriteTimeout.*|SlowReaderNotTimedOut|ReleaseEvent|RecvContext|RecvInterrupt|TryRecv|SendContext|ReceiveBufferGrows|CloseWithError|RemoteError.*|ErrorWaitsForWriteUnderWay|RingMixed)$")
+	cmd := exec.Command(os.Args[0], "-test.run", "^Test(Exchange|Credits|FDPassing|Close|ConcurrentSenders|ShutdownWhilePeerWrites|SocketFullKeepsOrder|SendGoodbye.*|WriteTimeout.*|SlowReaderNotTimedOut|ReleaseEvent|RecvContext|RecvInterrupt|TryRecv|SendContext|ReceiveBufferGrows|CloseWithError|RemoteError.*|ErrorWaitsForWriteUnderWay|ShmMixed)$")
 	cmd.Env = append(os.Environ(), socketModeEnv+"=1")
 	out, err := cmd.CombinedOutput()
 	if err != nil || !strings.Contains(string(out), "PASS") {
@@ -41,23 +41,23 @@ func TestSocketMode(t *testing.T) {
 	}
 }
 
-// TestRingMixed: two Conns use the ring unless either side disables it,
+// TestShmMixed: two Conns use the shm channel unless either side disables it,
 // and then exchange the same messages on the socket.
-func TestRingMixed(t *testing.T) {
+func TestShmMixed(t *testing.T) {
 	for _, tc := range []struct {
 		name       string
-		prod, cons bool // DisableRing
+		prod, cons bool // DisableShm
 	}{{"both", false, false}, {"producer without", true, false}, {"consumer without", false, true}} {
 		t.Run(tc.name, func(t *testing.T) {
 			checkNoFDLeak(t)
 			pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
-			pcfg.DisableRing = pcfg.DisableRing || tc.prod
-			ccfg.DisableRing = ccfg.DisableRing || tc.cons
+			pcfg.DisableShm = pcfg.DisableShm || tc.prod
+			ccfg.DisableShm = ccfg.DisableShm || tc.cons
 			ccfg.AcceptFDs = true
 			prod, cons := pair(t, pcfg, ccfg)
-			want := !pcfg.DisableRing && !ccfg.DisableRing
-			if prod.Ring() != want || cons.Ring() != want {
-				t.Fatalf("ring: producer %v consumer %v, want %v", prod.Ring(), cons.Ring(), want)
+			want := !pcfg.DisableShm && !ccfg.DisableShm
+			if prod.Shm() != want || cons.Shm() != want {
+				t.Fatalf("shm: producer %v consumer %v, want %v", prod.Shm(), cons.Shm(), want)
 			}
 			exchange(t, prod, cons, 2000)
 		})
@@ -131,11 +131,11 @@ func boolInt(b bool) int {
 	return 0
 }
 
-// TestRingAsleep: with no polling, every wait sleeps on the socket, and
+// TestShmAsleep: with no polling, every wait sleeps on the socket, and
 // the doorbell wakes it; slow and fast stretches both arrive.
-func TestRingAsleep(t *testing.T) {
-	pcfg, ccfg := ringConfigs(t)
-	pcfg.RingSpin, ccfg.RingSpin = -1, -1
+func TestShmAsleep(t *testing.T) {
+	pcfg, ccfg := shmConfigs(t)
+	pcfg.ShmSpin, ccfg.ShmSpin = -1, -1
 	prod, cons := pair(t, pcfg, ccfg)
 	exchange(t, prod, cons, 500)
 	// A message after a pause longer than any polling.
@@ -152,19 +152,19 @@ func TestRingAsleep(t *testing.T) {
 	}
 }
 
-// TestRingLyingPeer: a peer that writes nonsense into the control block,
+// TestShmLyingPeer: a peer that writes nonsense into the control block,
 // as a hostile process sharing the segment could, fails the connection
 // with ErrMalformed on the side that reads it, and nothing is read or
 // written out of bounds.
-func TestRingLyingPeer(t *testing.T) {
-	pcfg, ccfg := ringConfigs(t)
+func TestShmLyingPeer(t *testing.T) {
+	pcfg, ccfg := shmConfigs(t)
 	for _, tc := range []struct {
 		name  string
 		lie   func(prod, cons *Conn)
 		check func(t *testing.T, prod, cons *Conn)
 	}{
 		{"tail far ahead", func(prod, cons *Conn) {
-			atomic.AddUint64(cons.ring.in.tail, ringSize+1) // what the producer side "wrote"
+			atomic.AddUint64(cons.shm.in.tail, laneSize+1) // what the producer side "wrote"
 		}, func(t *testing.T, prod, cons *Conn) {
 			var m Message
 			if err := cons.Recv(testCtx(t), &m); !errors.Is(err, ErrMalformed) {
@@ -172,7 +172,7 @@ func TestRingLyingPeer(t *testing.T) {
 			}
 		}},
 		{"tail moved back", func(prod, cons *Conn) {
-			atomic.StoreUint64(cons.ring.in.tail, ^uint64(0))
+			atomic.StoreUint64(cons.shm.in.tail, ^uint64(0))
 		}, func(t *testing.T, prod, cons *Conn) {
 			var m Message
 			if err := cons.Recv(testCtx(t), &m); !errors.Is(err, ErrMalformed) {
@@ -180,7 +180,7 @@ func TestRingLyingPeer(t *testing.T) {
 			}
 		}},
 		{"head beyond the tail", func(prod, cons *Conn) {
-			atomic.AddUint64(prod.ring.out.head, 1<<40) // what the consumer side "read"
+			atomic.AddUint64(prod.shm.out.head, 1<<40) // what the consumer side "read"
 		}, func(t *testing.T, prod, cons *Conn) {
 			ctx := testCtx(t)
 			o := testOffer()
@@ -201,12 +201,12 @@ func TestRingLyingPeer(t *testing.T) {
 	}
 }
 
-// TestRingSocketAbuse: on a ring connection the socket carries doorbells,
+// TestShmSocketAbuse: on a shm connection the socket carries doorbells,
 // descriptors and errors only. An error there is the peer's word; any
 // other message, or descriptors that no offer claims, fail the
 // connection; and the descriptors are closed.
-func TestRingSocketAbuse(t *testing.T) {
-	pcfg, ccfg := ringConfigs(t)
+func TestShmSocketAbuse(t *testing.T) {
+	pcfg, ccfg := shmConfigs(t)
 	for _, tc := range []struct {
 		name  string
 		abuse func(t *testing.T, prod *Conn)
@@ -256,10 +256,10 @@ func TestRingSocketAbuse(t *testing.T) {
 	}
 }
 
-// TestRingSegmentChecks: a dialer maps only a sealed segment of the
+// TestShmSegmentChecks: a dialer maps only a sealed segment of the
 // right size: a listener that could shrink it could make every access to
 // it fault.
-func TestRingSegmentChecks(t *testing.T) {
+func TestShmSegmentChecks(t *testing.T) {
 	checkNoFDLeak(t)
 	mk := func(size int64, seals int) int {
 		fd, err := unix.MemfdCreate("cudashare-test", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
@@ -282,14 +282,14 @@ func TestRingSegmentChecks(t *testing.T) {
 	}
 	unix.Close(p[1])
 	for name, fd := range map[string]int{
-		"unsealed":         mk(ringSegSize, 0),
-		"may shrink":       mk(ringSegSize, unix.F_SEAL_GROW),
-		"too small":        mk(ringSegSize-4096, ringSeals),
-		"too large":        mk(2*ringSegSize, ringSeals),
+		"unsealed":         mk(shmSegSize, 0),
+		"may shrink":       mk(shmSegSize, unix.F_SEAL_GROW),
+		"too small":        mk(shmSegSize-4096, shmSeals),
+		"too large":        mk(2*shmSegSize, shmSeals),
 		"not a file":       p[0],
-		"sealed and right": mk(ringSegSize, ringSeals),
+		"sealed and right": mk(shmSegSize, shmSeals),
 	} {
-		seg, err := openRingSeg(fd)
+		seg, err := openShmSeg(fd)
 		unix.Close(fd)
 		if name == "sealed and right" {
 			if err != nil {
@@ -308,22 +308,22 @@ func TestRingSegmentChecks(t *testing.T) {
 	}
 }
 
-// TestRingHostileListener: a listener that answers a dialer asking for a
-// ring with no segment, two, or a bad one fails the handshake, and the
+// TestShmHostileListener: a listener that answers a dialer asking for a
+// shm channel with no segment, two, or a bad one fails the handshake, and the
 // dialer keeps no descriptor.
-func TestRingHostileListener(t *testing.T) {
-	if testConfig(RoleConsumer, nil).DisableRing {
+func TestShmHostileListener(t *testing.T) {
+	if testConfig(RoleConsumer, nil).DisableShm {
 		t.Skip("socket mode")
 	}
-	ack := mustMarshal([]any{KindHelloAck, Version, RoleProducer, 1, make([]byte, 16), []any{}, uint64(CapRing), 0})
+	ack := mustMarshal([]any{KindHelloAck, Version, RoleProducer, 1, make([]byte, 16), []any{}, uint64(CapShm), 0})
 	memfd := func(sealed bool) int {
 		fd, err := unix.MemfdCreate("cudashare-test", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 		if err != nil {
 			t.Fatal(err)
 		}
-		unix.Ftruncate(fd, ringSegSize)
+		unix.Ftruncate(fd, shmSegSize)
 		if sealed {
-			unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, ringSeals)
+			unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, shmSeals)
 		}
 		return fd
 	}
@@ -363,10 +363,10 @@ func TestRingHostileListener(t *testing.T) {
 	}
 }
 
-// TestRingUnmapped: the listener's memfd is closed once sent, the
+// TestShmUnmapped: the listener's memfd is closed once sent, the
 // dialer's once mapped, and Close unmaps the segment on both sides.
-func TestRingUnmapped(t *testing.T) {
-	if testConfig(RoleConsumer, nil).DisableRing {
+func TestShmUnmapped(t *testing.T) {
+	if testConfig(RoleConsumer, nil).DisableShm {
 		t.Skip("socket mode")
 	}
 	count := func() int {
@@ -374,7 +374,7 @@ func TestRingUnmapped(t *testing.T) {
 		if err != nil {
 			t.Skip("no /proc/self/maps")
 		}
-		return strings.Count(string(b), "cudashare-ring")
+		return strings.Count(string(b), "cudashare-shm")
 	}
 	before := count()
 	checkNoFDLeak(t)
@@ -393,7 +393,7 @@ func TestRingUnmapped(t *testing.T) {
 		conns = append(conns, c, p)
 	}
 	for fd, target := range testutil.OpenFDs() {
-		if strings.Contains(target, "cudashare-ring") {
+		if strings.Contains(target, "cudashare-shm") {
 			t.Errorf("descriptor %d -> %s left open", fd, target)
 		}
 	}
@@ -409,7 +409,7 @@ func TestRingUnmapped(t *testing.T) {
 	}
 }
 
-// TestOfferReadWithHelloAck: without the ring, one recvmsg may read the
+// TestOfferReadWithHelloAck: without the shm channel, one recvmsg may read the
 // hello-ack and the first offer's descriptor with it (a producer offers at
 // once); the descriptor is the offer's, not a stray one of the handshake.
 // Whether the two arrive in one read is a race, so it tries 20 times.
@@ -449,25 +449,25 @@ func offerWithHelloAck(t *testing.T) {
 	<-done
 }
 
-// ringConfigs is a producer's and a consumer's test configuration for a
-// test of the rings themselves, which skips when TestSocketMode re-runs
-// the package with the rings off.
-func ringConfigs(t *testing.T) (prod, cons Config) {
+// shmConfigs is a producer's and a consumer's test configuration for a
+// test of the shm channel itself, which skips when TestSocketMode re-runs
+// the package with the shm channel off.
+func shmConfigs(t *testing.T) (prod, cons Config) {
 	prod, cons = testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
-	if prod.DisableRing {
+	if prod.DisableShm {
 		t.Skip("socket mode")
 	}
 	cons.AcceptFDs = true
 	return prod, cons
 }
 
-// TestRingOneCredit: offers and releases one at a time, back to back, so
-// that each side's reader goes to sleep on the ring again and again just
+// TestShmOneCredit: offers and releases one at a time, back to back, so
+// that each side's reader goes to sleep on the lane again and again just
 // as the other writes. A doorbell missed hangs the exchange (the context
 // only ends a hang). Under the race detector, whose atomics order less
 // than Go's usual ones, this hung within a few thousand handoffs before
-// the ring's stores became swaps (ring.go, sleep).
-func TestRingOneCredit(t *testing.T) {
+// the lane's stores became swaps (shm.go, sleep).
+func TestShmOneCredit(t *testing.T) {
 	ccfg := testConfig(RoleConsumer, nil)
 	ccfg.Credits = 1
 	prod, cons := pair(t, testConfig(RoleProducer, nil), ccfg)
@@ -513,18 +513,18 @@ func TestRingOneCredit(t *testing.T) {
 	}
 }
 
-// TestRingStalledPeerTold: a consumer that stops reading its ring (stopped
+// TestShmStalledPeerTold: a consumer that stops reading its lane (stopped
 // with SIGSTOP, say) fails the producer's writes with ErrWriteTimeout, and
 // is sent why on the socket, which has room: once it reads again, it gets
-// the producer's error (code 11, timeout) after what the ring held, not an
+// the producer's error (code 11, timeout) after what the lane held, not an
 // end of stream that would read as the producer's death.
-func TestRingStalledPeerTold(t *testing.T) {
-	pcfg, ccfg := ringConfigs(t)
+func TestShmStalledPeerTold(t *testing.T) {
+	pcfg, ccfg := shmConfigs(t)
 	pcfg.WriteTimeout = 200 * time.Millisecond
 	ccfg.Credits = MaxWindow
 	prod, cons := pair(t, pcfg, ccfg)
-	if !prod.Ring() {
-		t.Fatal("no ring between two Conns that allow one")
+	if !prod.Shm() {
+		t.Fatal("no shm channel between two Conns that allow one")
 	}
 	o := testOffer()
 	o.Meta = mustMarshal(strings.Repeat("x", 4000))
@@ -541,49 +541,49 @@ func TestRingStalledPeerTold(t *testing.T) {
 		}
 	}
 	if !errors.Is(err, ErrWriteTimeout) {
-		t.Fatalf("offers to a consumer that does not read its ring: %v, want ErrWriteTimeout", err)
+		t.Fatalf("offers to a consumer that does not read its lane: %v, want ErrWriteTimeout", err)
 	}
 	var m Message
 	got := 0
 	for err = nil; err == nil; got++ {
 		err = cons.Recv(ctx, &m)
 	}
-	if !errors.Is(err, ErrRemote) || !errors.Is(err, ErrTimeout) || !strings.Contains(err.Error(), "ring") {
-		t.Fatalf("the stalled consumer, reading again, got %v after %d messages, want the producer's error: a timeout, naming the ring", err, got-1)
+	if !errors.Is(err, ErrRemote) || !errors.Is(err, ErrTimeout) || !strings.Contains(err.Error(), "shm lane") {
+		t.Fatalf("the stalled consumer, reading again, got %v after %d messages, want the producer's error: a timeout, naming the shm lane", err, got-1)
 	}
 	if got-1 < sent {
 		t.Fatalf("the consumer read %d of the %d offers sent before the error", got-1, sent)
 	}
 }
 
-// TestRingSegmentShrunkBetweenChecks: a listener that sends an unsealed
+// TestShmSegmentShrunkBetweenChecks: a listener that sends an unsealed
 // segment of the right size, shrinks it to nothing just after the
 // dialer's fstat, and then seals it, passes a check of the size followed
 // by one of the seals: the dialer would map a segment with no pages, and
 // die of SIGBUS at its first access. The seals must be checked first:
 // once the segment cannot shrink, the size read next is the size mapped.
-func TestRingSegmentShrunkBetweenChecks(t *testing.T) {
+func TestShmSegmentShrunkBetweenChecks(t *testing.T) {
 	checkNoFDLeak(t)
 	fd, err := unix.MemfdCreate("cudashare-test", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer unix.Close(fd)
-	if err := unix.Ftruncate(fd, ringSegSize); err != nil {
+	if err := unix.Ftruncate(fd, shmSegSize); err != nil {
 		t.Fatal(err)
 	}
-	fstat := ringSegFstat
-	t.Cleanup(func() { ringSegFstat = fstat })
-	ringSegFstat = func(fd int, st *unix.Stat_t) error {
+	fstat := shmSegFstat
+	t.Cleanup(func() { shmSegFstat = fstat })
+	shmSegFstat = func(fd int, st *unix.Stat_t) error {
 		err := fstat(fd, st)
 		// The hostile listener, between the dialer's two looks.
 		if _, serr := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0); serr == nil {
 			unix.Ftruncate(fd, 0)
-			unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, ringSeals)
+			unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, shmSeals)
 		}
 		return err
 	}
-	seg, err := openRingSeg(fd)
+	seg, err := openShmSeg(fd)
 	if seg != nil {
 		var st unix.Stat_t
 		unix.Fstat(fd, &st)
@@ -591,6 +591,6 @@ func TestRingSegmentShrunkBetweenChecks(t *testing.T) {
 		t.Fatalf("the dialer mapped a segment that now has %d bytes (err %v): its first access dies of SIGBUS", st.Size, err)
 	}
 	if !errors.Is(err, ErrMalformed) || !strings.Contains(err.Error(), "sealed") {
-		t.Fatalf("openRingSeg: %v, want a refusal for the seals", err)
+		t.Fatalf("openShmSeg: %v, want a refusal for the seals", err)
 	}
 }

@@ -12,11 +12,11 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// This file is a Conn's ring mode (ring.go): how Recv reads the ring and
-// sleeps on the socket, and how the write side fills the ring and rings
+// This file is a Conn's shm mode (shm.go): how Recv reads the lane and
+// sleeps on the socket, and how the write side fills the lane and rings
 // the doorbell.
 
-// sockFrameMax caps a frame on the socket of a ring connection: only an
+// sockFrameMax caps a frame on the socket of a shm connection: only an
 // error message is a frame there, and its text is at most maxTextLen.
 const sockFrameMax = 4 << 10
 
@@ -24,16 +24,16 @@ const sockFrameMax = 4 << 10
 // of length 0 on the socket.
 var bell [headerSize]byte
 
-// fillRing reads what the ring has into rbuf[w:], waiting for at least a
-// byte: it polls the ring for up to Config.RingSpin, then sleeps on the
+// fillShm reads what the lane has into rbuf[w:], waiting for at least a
+// byte: it polls the lane for up to Config.ShmSpin, then sleeps on the
 // socket, which wakes it with a doorbell, an error message or its end.
-func (c *Conn) fillRing(ctx context.Context, avail int) error {
-	if c.ringGone {
+func (c *Conn) fillShm(ctx context.Context, avail int) error {
+	if c.shmGone {
 		return c.failure()
 	}
 	var waited time.Time
 	for {
-		n, err := c.ring.in.read(c.rbuf[c.w:])
+		n, err := c.shm.in.read(c.rbuf[c.w:])
 		if err != nil {
 			return err
 		}
@@ -54,13 +54,13 @@ func (c *Conn) fillRing(ctx context.Context, avail int) error {
 				failed := c.ended.Load()
 				if c.sockReady.Swap(false) || failed {
 					// The socket has doorbells, an error or its end: take
-					// them, then look at the ring again. A connection
+					// them, then look at the lane again. A connection
 					// this side failed gets no more events: once both are
 					// read, it says so (as fill does).
 					if err := c.drainSocket(); err != nil {
 						return err
 					}
-					if failed && c.sockEnd == 0 && !c.ring.in.ready() {
+					if failed && c.sockEnd == 0 && !c.shm.in.ready() {
 						return c.failure()
 					}
 					continue
@@ -73,39 +73,39 @@ func (c *Conn) fillRing(ctx context.Context, avail int) error {
 		}
 		if waited.IsZero() {
 			waited = time.Now()
-			if c.spinRing(ctx, waited) {
+			if c.spinShm(ctx, waited) {
 				continue
 			}
 		}
-		c.ring.in.sleep()
+		c.shm.in.sleep()
 		c.sleeps++
-		if c.ring.in.ready() {
-			c.ring.in.wake()
+		if c.shm.in.ready() {
+			c.shm.in.wake()
 			continue
 		}
 		err = c.armWait(ctx, avail)
 		if err == nil {
-			err = c.readSocketRing(ctx, avail)
+			err = c.readSocketShm(ctx, avail)
 		}
-		c.ring.in.wake()
+		c.shm.in.wake()
 		if err != nil {
 			return err
 		}
 	}
 }
 
-// spinRing polls the ring, yielding between looks, for up to RingSpin, if
+// spinShm polls the lane, yielding between looks, for up to ShmSpin, if
 // the last wait for it was short enough that polling would likely have
 // caught it; it reports whether bytes came.
-func (c *Conn) spinRing(ctx context.Context, start time.Time) bool {
-	spin := c.cfg.RingSpin
+func (c *Conn) spinShm(ctx context.Context, start time.Time) bool {
+	spin := c.cfg.ShmSpin
 	if spin <= 0 || c.gap > 4*spin {
 		return false
 	}
 	until := start.Add(spin)
 	done := ctx.Done()
 	for i := 1; ; i++ {
-		if c.ring.in.ready() {
+		if c.shm.in.ready() {
 			return true
 		}
 		if i%16 == 0 {
@@ -124,7 +124,7 @@ func (c *Conn) spinRing(ctx context.Context, start time.Time) bool {
 	}
 }
 
-// spinPause is one pause of a spin on a ring: it lets this process's
+// spinPause is one pause of a spin on a lane: it lets this process's
 // other goroutines run and, every few looks, other processes' threads too.
 // A spin that only yields to goroutines keeps its core from every other
 // process; with more busy processes than cores (a producer and sixteen
@@ -140,9 +140,9 @@ func spinPause(i int) {
 	}
 }
 
-// readSocketRing waits for the socket of a ring connection and takes what
+// readSocketShm waits for the socket of a shm connection and takes what
 // it brings: doorbells, descriptors, an error message, its end.
-func (c *Conn) readSocketRing(ctx context.Context, avail int) error {
+func (c *Conn) readSocketShm(ctx context.Context, avail int) error {
 	c.roomInSocketBuf()
 	n, end, err := c.readSocket(ctx, c.sbuf[c.sw:], avail)
 	if err != nil {
@@ -151,7 +151,7 @@ func (c *Conn) readSocketRing(ctx context.Context, avail int) error {
 	return c.socketRead(n, end)
 }
 
-// socketRead takes one read of the socket of a ring connection: n bytes
+// socketRead takes one read of the socket of a shm connection: n bytes
 // into sbuf, or its end.
 func (c *Conn) socketRead(n, end int) error {
 	if end != 0 {
@@ -184,7 +184,7 @@ const bellSlack = 64
 
 // socketFrames takes the whole frames in sbuf: doorbells, which only woke
 // the reader, and an error message, which ends the connection. Anything
-// else has no business on the socket of a ring connection, and neither
+// else has no business on the socket of a shm connection, and neither
 // have more doorbells than the reader slept (bellSlack).
 func (c *Conn) socketFrames() error {
 	for {
@@ -196,12 +196,12 @@ func (c *Conn) socketFrames() error {
 		if n == 0 {
 			c.sr += headerSize
 			if c.bells++; c.bells > c.sleeps+c.carriers+bellSlack {
-				return malformed("%d doorbells on the socket of a ring connection whose reader slept %d times and took %d sets of descriptors: a doorbell answers a sleep", c.bells, c.sleeps, c.carriers)
+				return malformed("%d doorbells on the socket of a shm connection whose reader slept %d times and took %d sets of descriptors: a doorbell answers a sleep", c.bells, c.sleeps, c.carriers)
 			}
 			continue
 		}
 		if n > sockFrameMax {
-			return malformed("a frame of %d bytes on the socket of a ring connection, where only doorbells, descriptors and errors go", n)
+			return malformed("a frame of %d bytes on the socket of a shm connection, where only doorbells, descriptors and errors go", n)
 		}
 		if avail < headerSize+n {
 			break
@@ -216,7 +216,7 @@ func (c *Conn) socketFrames() error {
 		if kind == KindError {
 			return &RemoteError{Code: c.dec.errCode, Message: c.dec.errText, Peer: c.desc}
 		}
-		return fmt.Errorf("%w: %s on the socket of a ring connection, where only doorbells, descriptors and errors go", ErrUnexpectedMessage, kind)
+		return fmt.Errorf("%w: %s on the socket of a shm connection, where only doorbells, descriptors and errors go", ErrUnexpectedMessage, kind)
 	}
 	if c.sr == c.sw {
 		c.sr, c.sw = 0, 0
@@ -224,7 +224,7 @@ func (c *Conn) socketFrames() error {
 	return nil
 }
 
-// drainSocket takes, without waiting, all the socket of a ring connection
+// drainSocket takes, without waiting, all the socket of a shm connection
 // has: doorbells, descriptors, an error message, its end.
 func (c *Conn) drainSocket() error {
 	for c.sockEnd == 0 {
@@ -244,7 +244,7 @@ func (c *Conn) drainSocket() error {
 }
 
 // pullSocket takes, without waiting, what the socket has until need
-// descriptors are queued: those of an offer just read from the ring left
+// descriptors are queued: those of an offer just read from the lane left
 // on the socket before it. One recvmsg takes the descriptors of at most
 // one carrier.
 func (c *Conn) pullSocket(need int) error {
@@ -272,18 +272,18 @@ func (c *Conn) pullSocket(need int) error {
 	return nil
 }
 
-// ringWriteSome writes as much of b as the ring has room for, without
+// shmWriteSome writes as much of b as the lane has room for, without
 // waiting, and rings the doorbell if the peer sleeps. The caller owns the
 // write side.
-func (c *Conn) ringWriteSome(b []byte) (int, error) {
-	c.ringMu.RLock()
-	defer c.ringMu.RUnlock()
-	if c.ringGone {
+func (c *Conn) shmWriteSome(b []byte) (int, error) {
+	c.shmMu.RLock()
+	defer c.shmMu.RUnlock()
+	if c.shmGone {
 		return 0, c.failure()
 	}
-	n, err := c.ring.out.write(b)
-	if n > 0 && c.ring.out.asleep() {
-		if berr := c.ringBell(); err == nil {
+	n, err := c.shm.out.write(b)
+	if n > 0 && c.shm.out.asleep() {
+		if berr := c.shmBell(); err == nil {
 			err = berr
 		}
 	}
@@ -304,81 +304,81 @@ func (c *Conn) peerClosed() bool {
 	return hup
 }
 
-// ringWriteAll writes b into the ring, waiting while it is full: the peer
+// shmWriteAll writes b into the lane, waiting while it is full: the peer
 // has WriteTimeout to read some of it, as it has a full socket.
-func (c *Conn) ringWriteAll(b []byte) error {
-	var w ringWait
+func (c *Conn) shmWriteAll(b []byte) error {
+	var w shmWait
 	for len(b) > 0 {
-		n, err := c.ringWriteSome(b)
+		n, err := c.shmWriteSome(b)
 		if err != nil {
 			return err
 		}
 		if n > 0 {
 			b = b[n:]
-			w = ringWait{}
+			w = shmWait{}
 			continue
 		}
-		if err := c.ringPause(&w, "read nothing of a full ring", true); err != nil {
+		if err := c.shmPause(&w, "read nothing of a full shm lane", true); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// ringFlushed waits until the peer has read everything in the ring. A
+// shmFlushed waits until the peer has read everything in the lane. A
 // writer does so before it sends descriptors, so that a reader never
 // holds those of more than the offer it is taking and the next.
 //
 // It waits without the write deadline, which measures only a peer that
-// leaves a full ring (or socket) unread (PROTOCOL.md section 7): here the
-// ring has room, and a reader that pauses (a trainer saving a checkpoint)
+// leaves a full lane (or socket) unread (PROTOCOL.md section 7): here the
+// lane has room, and a reader that pauses (a trainer saving a checkpoint)
 // is not stuck. What it leaves unread is offers it holds, and the lease
 // deadline of the layer above covers those; a socket connection waits the
 // same for a reader that pauses with room in its socket. The wait is the
 // writer goroutine's, of this connection only: it holds no lock that a
 // send or another connection needs. It ends when the peer reads, closes
-// or dies (its socket hangs up), breaks the ring's rules (its head goes
+// or dies (its socket hangs up), breaks the lane's rules (its head goes
 // backwards or past the tail: peerHead), or the connection fails (Close,
 // the lease deadline).
-func (c *Conn) ringFlushed() error {
-	var w ringWait
+func (c *Conn) shmFlushed() error {
+	var w shmWait
 	for {
-		c.ringMu.RLock()
-		if c.ringGone {
-			c.ringMu.RUnlock()
+		c.shmMu.RLock()
+		if c.shmGone {
+			c.shmMu.RUnlock()
 			return c.failure()
 		}
-		done, err := c.ring.out.flushed()
-		c.ringMu.RUnlock()
+		done, err := c.shm.out.flushed()
+		c.shmMu.RUnlock()
 		if err != nil || done {
 			return err
 		}
-		if err := c.ringPause(&w, "did not read the ring to its end", false); err != nil {
+		if err := c.shmPause(&w, "did not read its shm lane to its end", false); err != nil {
 			return err
 		}
 	}
 }
 
-// ringWait is the state of a wait for the peer to read the ring.
-type ringWait struct {
+// shmWait is the state of a wait for the peer to read the lane.
+type shmWait struct {
 	stuck time.Time
 	pause time.Duration
 }
 
-// Pauses between looks at a ring the peer has not read: short at first, to
-// catch a reader that is only behind, then up to ringPauseMax; and once a
-// wait without a deadline has lasted ringLongWait, up to ringPauseLong, so
+// Pauses between looks at a lane the peer has not read: short at first, to
+// catch a reader that is only behind, then up to shmPauseMax; and once a
+// wait without a deadline has lasted shmLongWait, up to shmPauseLong, so
 // that a reader paused for minutes costs a few wake-ups a second.
 const (
-	ringPauseMax  = time.Millisecond
-	ringLongWait  = 100 * time.Millisecond
-	ringPauseLong = 20 * time.Millisecond
+	shmPauseMax  = time.Millisecond
+	shmLongWait  = 100 * time.Millisecond
+	shmPauseLong = 20 * time.Millisecond
 )
 
-// ringPause waits a little for the peer to read, looking again soon and
+// shmPause waits a little for the peer to read, looking again soon and
 // then less often: a reader that is behind, or stopped. It fails once the
 // peer has closed, or, with deadline, made no progress for WriteTimeout.
-func (c *Conn) ringPause(w *ringWait, what string, deadline bool) error {
+func (c *Conn) shmPause(w *shmWait, what string, deadline bool) error {
 	if c.peerClosed() {
 		// A socket would say EPIPE: the reader is gone for good.
 		return fmt.Errorf("%w: the peer closed the connection and %s: %w", ErrDisconnected, what, unix.EPIPE)
@@ -389,32 +389,32 @@ func (c *Conn) ringPause(w *ringWait, what string, deadline bool) error {
 	}
 	waited := now.Sub(w.stuck)
 	if deadline && waited >= c.cfg.WriteTimeout {
-		return fmt.Errorf("%w: the peer %s for %v%w", ErrWriteTimeout, what, c.cfg.WriteTimeout, errRingStalled)
+		return fmt.Errorf("%w: the peer %s for %v%w", ErrWriteTimeout, what, c.cfg.WriteTimeout, errShmStalled)
 	}
-	most := ringPauseMax
-	if !deadline && waited >= ringLongWait {
-		most = ringPauseLong
+	most := shmPauseMax
+	if !deadline && waited >= shmLongWait {
+		most = shmPauseLong
 	}
 	w.pause = min(max(2*w.pause, 10*time.Microsecond), most)
-	if c.ringTimer == nil {
-		c.ringTimer = time.NewTimer(w.pause)
+	if c.shmTimer == nil {
+		c.shmTimer = time.NewTimer(w.pause)
 	} else {
-		c.ringTimer.Reset(w.pause)
+		c.shmTimer.Reset(w.pause)
 	}
 	select {
-	case <-c.ringTimer.C:
+	case <-c.shmTimer.C:
 		return nil
 	case <-c.dying:
-		c.ringTimer.Stop()
+		c.shmTimer.Stop()
 		return c.failure()
 	}
 }
 
-// ringBell writes the doorbell to the socket, without waiting: a socket
+// shmBell writes the doorbell to the socket, without waiting: a socket
 // too full to take it has bytes for the peer to wake to already. A
 // doorbell cut short is finished before anything else goes on the socket.
 // The caller owns the write side. It fails only if the peer is gone.
-func (c *Conn) ringBell() error {
+func (c *Conn) shmBell() error {
 	left := c.bellLeft
 	fresh := left == 0
 	if fresh {

@@ -12,9 +12,9 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// offerUnread queues on prod an offer that cons leaves in its ring, and
+// offerUnread queues on prod an offer that cons leaves in its lane, and
 // then one that carries a descriptor, which the producer sends only once
-// the ring is read to its end: the producer's writer waits for cons.
+// the lane is read to its end: the producer's writer waits for cons.
 func offerUnread(t *testing.T, prod *Conn) {
 	t.Helper()
 	ctx := testCtx(t)
@@ -54,22 +54,22 @@ func recvUntilError(t *testing.T, cons *Conn) error {
 	}
 }
 
-// TestRingPausedReaderKept: a consumer that stops reading its ring for
-// three times the producer's write timeout, with a ring nearly empty (a
+// TestShmPausedReaderKept: a consumer that stops reading its lane for
+// three times the producer's write timeout, with a lane nearly empty (a
 // trainer saving a checkpoint), while the producer must send it a
-// descriptor, is not dropped: the write deadline runs only while a ring
+// descriptor, is not dropped: the write deadline runs only while a lane
 // is full (PROTOCOL.md sections 2.3 and 7). Once it reads again, it gets
 // the offer it left and the one with the descriptor.
-func TestRingPausedReaderKept(t *testing.T) {
+func TestShmPausedReaderKept(t *testing.T) {
 	checkNoFDLeak(t)
-	pcfg, ccfg := ringConfigs(t)
+	pcfg, ccfg := shmConfigs(t)
 	pcfg.WriteTimeout = 300 * time.Millisecond
 	prod, cons := pair(t, pcfg, ccfg)
 	exchange(t, prod, cons, 10)
 	offerUnread(t, prod)
 	time.Sleep(3 * pcfg.WriteTimeout) // the pause under test, not a synchronisation
 	if err := prod.Err(); err != nil {
-		t.Fatalf("the producer dropped a consumer that paused with room in its ring: %v", err)
+		t.Fatalf("the producer dropped a consumer that paused with room in its lane: %v", err)
 	}
 	ctx := testCtx(t)
 	var m Message
@@ -90,18 +90,18 @@ func TestRingPausedReaderKept(t *testing.T) {
 	}
 }
 
-// TestRingHeadFlips: a consumer whose ring head flips back and forth
-// while the producer waits for it to read the ring before a descriptor
-// breaks the ring's rules (a head never goes backwards): the producer
+// TestShmHeadFlips: a consumer whose lane head flips back and forth
+// while the producer waits for it to read the lane before a descriptor
+// breaks the lane's rules (a head never goes backwards): the producer
 // drops it with ErrMalformed, and tells it so (error code 3), rather than
 // taking each flip for progress and waiting for ever.
-func TestRingHeadFlips(t *testing.T) {
+func TestShmHeadFlips(t *testing.T) {
 	checkNoFDLeak(t)
-	pcfg, ccfg := ringConfigs(t)
+	pcfg, ccfg := shmConfigs(t)
 	pcfg.WriteTimeout = 300 * time.Millisecond
 	prod, cons := pair(t, pcfg, ccfg)
 	exchange(t, prod, cons, 10)
-	head := prod.ring.out.head // the word the consumer writes
+	head := prod.shm.out.head // the word the consumer writes
 	read := atomic.LoadUint64(head)
 	offerUnread(t, prod)
 	stop, stopped := make(chan struct{}), make(chan struct{})
@@ -130,20 +130,20 @@ func TestRingHeadFlips(t *testing.T) {
 	}
 }
 
-// TestRingBadHeadTold: a consumer whose head claims more read than was
+// TestShmBadHeadTold: a consumer whose head claims more read than was
 // written is dropped with ErrMalformed and told so with an error message
 // (code 3), whether the producer finds it writing an offer or waiting for
-// the ring to be read before a descriptor; not with a timeout, and not
+// the lane to be read before a descriptor; not with a timeout, and not
 // with only an end of stream.
-func TestRingBadHeadTold(t *testing.T) {
+func TestShmBadHeadTold(t *testing.T) {
 	for _, fds := range []int{0, 1} {
 		t.Run([]string{"offer", "offer with a descriptor"}[fds], func(t *testing.T) {
 			checkNoFDLeak(t)
-			pcfg, ccfg := ringConfigs(t)
+			pcfg, ccfg := shmConfigs(t)
 			pcfg.WriteTimeout = 300 * time.Millisecond
 			prod, cons := pair(t, pcfg, ccfg)
 			exchange(t, prod, cons, 10)
-			atomic.AddUint64(prod.ring.out.head, 1<<40)
+			atomic.AddUint64(prod.shm.out.head, 1<<40)
 			ctx := testCtx(t)
 			o := testOffer()
 			o.Seq = 100
@@ -170,13 +170,13 @@ func TestRingBadHeadTold(t *testing.T) {
 // and 2 KiB of metadata, until the producer looks at the consumer's head:
 // a writer looks only when the room it saw at its last look is short (or
 // before descriptors), so a lie is found at the offer that needs the
-// room, within one ring's worth of offers. It returns the first error, or
+// room, within one lane's worth of offers. It returns the first error, or
 // Flush's.
 func sendUntilHeadLooked(ctx context.Context, prod *Conn, o *Offer) error {
-	// Offers of 2 KiB of metadata each (a msgpack bin 16): the ring's
+	// Offers of 2 KiB of metadata each (a msgpack bin 16): the lane's
 	// room runs short well within the consumer's window of credits.
 	o.Meta = append([]byte{0xc5, 2048 >> 8, 2048 & 0xff}, make([]byte, 2048)...)
-	for range 2*ringSize/2048 + 1 {
+	for range 2*laneSize/2048 + 1 {
 		if err := prod.SendOffer(ctx, o); err != nil {
 			return err
 		}
@@ -185,17 +185,17 @@ func sendUntilHeadLooked(ctx context.Context, prod *Conn, o *Offer) error {
 	return prod.Flush(ctx)
 }
 
-// TestRingDoorbellStorm: a consumer that rings the doorbell without
-// writing anything into its ring, over and over, is dropped with
+// TestShmDoorbellStorm: a consumer that rings the doorbell without
+// writing anything into its lane, over and over, is dropped with
 // ErrMalformed and told so, instead of costing the producer's reader a
 // wake-up per doorbell for as long as it likes. A doorbell answers the
 // reader's sleep (PROTOCOL.md section 2.3): a peer that keeps the rules
 // never sends more than the reader slept; the tests of two Conns, which
-// sleep and ring all the time (TestRingOneCredit, TestRingAsleep), check
+// sleep and ring all the time (TestShmOneCredit, TestShmAsleep), check
 // that it never trips on one.
-func TestRingDoorbellStorm(t *testing.T) {
+func TestShmDoorbellStorm(t *testing.T) {
 	checkNoFDLeak(t)
-	pcfg, ccfg := ringConfigs(t)
+	pcfg, ccfg := shmConfigs(t)
 	prod, cons := pair(t, pcfg, ccfg)
 	exchange(t, prod, cons, 10)
 	stop, stopped := make(chan struct{}), make(chan struct{})
