@@ -143,7 +143,7 @@ func hello(version, role, credits uint64) []byte {
 	id := make([]byte, 16)
 	rand.Read(id)
 	b = append(append(b, 0xc4, 16), id...)
-	// No devices; the fds capability, so that a producer lending VMM
+	// No devices; the vmm capability, so that a producer lending VMM
 	// memory serves it. A hostile peer that maps nothing reads with plain
 	// reads, which make the kernel close the descriptors that arrive.
 	b = append(b, 0x90, 1)

@@ -211,7 +211,7 @@ type allocRec struct {
 	handle transport.Handle // cached: one IpcGetMemHandle per allocation
 	owned  bool             // allocated by the exporter, freed on retire
 	kind   transport.HandleKind
-	vmm    *vmmMem // the producer's handle and mapping, for HandleFD
+	vmm    *vmmMem // the producer's handle and mapping, for HandleVMM
 	ring   *Ring
 	arena  *Arena
 	// offers counts the offers of the allocation, whatever its buffer:

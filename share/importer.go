@@ -115,7 +115,7 @@ type Importer struct {
 	gone      bool  // the producer is gone: nothing more is sent to it
 	allocs    map[uint64]*impAlloc
 	block     weak.Pointer[leaseBlock] // where new leases come from
-	failed    map[uint64]error         // posix_fd allocations whose import failed
+	failed    map[uint64]error         // vmm allocations whose import failed
 	events    map[transport.Handle]*driver.Event
 	relEvs    map[*driver.Stream]*relEvent // stream-ordered releases: one event per stream
 	relEvOK   bool                         // the producer honours release events
@@ -172,7 +172,7 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 	tcfg := transport.DefaultConfig(transport.RoleConsumer)
 	tcfg.Devices = []transport.UUID{dev}
 	tcfg.Credits = cfg.Credits
-	tcfg.AcceptFDs = true // posix_fd allocations (PROTOCOL.md, section 4.1)
+	tcfg.AcceptVMM = true // vmm allocations (PROTOCOL.md, section 4.1)
 	tcfg.Logger = log
 	tcfg.WriteTimeout = cfg.WriteTimeout
 	tcfg.DisableShm, tcfg.ShmSpin = cfg.DisableShm, cfg.ShmSpin
@@ -454,15 +454,15 @@ func (im *Importer) leaseLocked(o *transport.Offer) (*Lease, error) {
 		switch o.HandleKind {
 		case transport.HandleIPC:
 			ent, err = im.reg.acquire(im.dctx, &key, o.AllocID, o.AllocSize)
-		case transport.HandleFD:
+		case transport.HandleVMM:
 			if len(o.FDs) != 1 {
-				return nil, fmt.Errorf("%w: first offer of posix_fd allocation %d carries %d descriptors, want 1", transport.ErrMalformed, o.AllocID, len(o.FDs))
+				return nil, fmt.Errorf("%w: first offer of vmm allocation %d carries %d descriptors, want 1", transport.ErrMalformed, o.AllocID, len(o.FDs))
 			}
 			ent, err = im.reg.acquireFD(im.dctx, &key, o.FDs[0], o.AllocID, o.AllocSize)
 		default:
 			return nil, fmt.Errorf("%w: offer of allocation %d with handle kind %s, which this consumer cannot import", transport.ErrNotSupported, o.AllocID, o.HandleKind)
 		}
-		if err != nil && o.HandleKind == transport.HandleFD && !errors.Is(err, transport.ErrMalformed) {
+		if err != nil && o.HandleKind == transport.HandleVMM && !errors.Is(err, transport.ErrMalformed) {
 			if len(im.failed) >= maxFailedAllocs {
 				return nil, fmt.Errorf("%w: more than %d allocations failed to import", transport.ErrLimit, maxFailedAllocs)
 			}
@@ -510,7 +510,7 @@ func (im *Importer) leaseLocked(o *transport.Offer) (*Lease, error) {
 	return l, nil
 }
 
-// maxFailedAllocs bounds the posix_fd allocations whose failed import an
+// maxFailedAllocs bounds the vmm allocations whose failed import an
 // importer remembers until they are retired.
 const maxFailedAllocs = 1024
 

@@ -456,7 +456,7 @@ func (e *Exporter) send(ctx context.Context, c *consumer, b *Buffer, m *mapping,
 			o.Event, o.HasEvent = ev.h, true
 		}
 	}
-	if rec.kind != transport.HandleFD {
+	if rec.kind != transport.HandleVMM {
 		return true, c.conn.SendOffer(ctx, &o)
 	}
 	return e.sendFD(ctx, c, rec, &o, m)

@@ -62,7 +62,7 @@ type regEntry struct {
 	bufID   uint64
 	allocID uint64
 	refs    int
-	// vmm and mapping are the import and mapping of a posix_fd
+	// vmm and mapping are the import and mapping of a vmm
 	// allocation; nil for legacy IPC.
 	vmm     *driver.Allocation
 	mapping *driver.Mapping
@@ -170,7 +170,7 @@ func (r *Registry) acquire(dctx *driver.Context, k *regKey, allocID, allocSize u
 	return e, nil
 }
 
-// acquireFD is acquire for a posix_fd allocation (PROTOCOL.md, section
+// acquireFD is acquire for a vmm allocation (PROTOCOL.md, section
 // 4.1): k.handle is the producer's identity of the allocation, fd its
 // exported descriptor, which stays the caller's to close. A second
 // importer of the process that is offered the same allocation shares the

@@ -52,7 +52,7 @@ func dialIn(t testing.TB, e *share.Exporter, credits uint32, shm bool) *transpor
 	t.Helper()
 	cfg := transport.DefaultConfig(transport.RoleConsumer)
 	cfg.Devices = []transport.UUID{sharetest.Setup(t).Ctx.Device().UUID()}
-	cfg.AcceptFDs = true
+	cfg.AcceptVMM = true
 	cfg.Credits = credits
 	cfg.DisableShm = !shm
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)

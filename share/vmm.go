@@ -140,9 +140,9 @@ func (e *Exporter) newOwnedLocked(size uint64) (*allocRec, error) {
 		return nil, errors.Join(fmt.Errorf("share: map a VMM allocation of %d bytes: %w", size, err), a.Close())
 	}
 	rec := e.newRecLocked(m.Ptr(), size, 0, driver.IpcMemHandle{}, true)
-	rec.kind = transport.HandleFD
+	rec.kind = transport.HandleVMM
 	rec.vmm = &vmmMem{alloc: a, m: m}
-	// The handle bytes of a posix_fd offer name the allocation only
+	// The handle bytes of a vmm offer name the allocation only
 	// (PROTOCOL.md, section 4.1): its id, which is never reused.
 	binary.LittleEndian.PutUint64(rec.handle[:8], rec.id)
 	return rec, nil
@@ -175,7 +175,7 @@ func (e *Exporter) releaseVMMLocked(c *consumer) {
 	for i := range c.slots {
 		s := &c.slots[i]
 		b := s.b
-		if b == nil || b.rec.kind != transport.HandleFD {
+		if b == nil || b.rec.kind != transport.HandleVMM {
 			continue
 		}
 		s.b = nil
@@ -194,7 +194,7 @@ func (e *Exporter) releaseVMMLocked(c *consumer) {
 		e.unleaseLocked(b)
 	}
 	for rec := range c.allocs {
-		if rec.kind == transport.HandleFD {
+		if rec.kind == transport.HandleVMM {
 			delete(c.allocs, rec)
 			delete(rec.mappers, c)
 		}
@@ -357,8 +357,8 @@ func (e *Exporter) sendFD(ctx context.Context, c *consumer, rec *allocRec, o *tr
 // refuse says why the exporter cannot serve a consumer that
 // advertised caps, or nil if it can.
 func (e *Exporter) refuse(caps transport.Caps) error {
-	if e.sharing == SharingVMM && caps&transport.CapFDs == 0 {
-		return fmt.Errorf("%w: this producer lends VMM allocations as file descriptors; the consumer did not advertise the fds capability (bit 0)", transport.ErrNotSupported)
+	if e.sharing == SharingVMM && caps&transport.CapVMM == 0 {
+		return fmt.Errorf("%w: this producer lends VMM allocations as file descriptors; the consumer did not advertise the vmm capability (bit 0)", transport.ErrNotSupported)
 	}
 	return nil
 }

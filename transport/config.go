@@ -20,10 +20,11 @@ type Config struct {
 	// at once before it grants more with SendCredit. Zero means 64; at
 	// most MaxWindow; a producer ignores it.
 	Credits uint32
-	// AcceptFDs advertises CapFDs: this side accepts descriptors with an
-	// offer. Without it, a peer that sends descriptors is a protocol error
+	// AcceptVMM advertises CapVMM: this side, a consumer, imports vmm
+	// handles and accepts the descriptors that come with their offers.
+	// Without it, a peer that sends descriptors is a protocol error
 	// and the descriptors are closed.
-	AcceptFDs bool
+	AcceptVMM bool
 	// ReleaseEvents advertises CapReleaseEvents: this side, a producer,
 	// honours the events releases carry. Without it, a release that
 	// carries one is a protocol error.
@@ -212,8 +213,8 @@ func (cfg *Config) resolveLimits(def *Config) error {
 
 func (cfg *Config) caps() Caps {
 	var c Caps
-	if cfg.AcceptFDs {
-		c |= CapFDs
+	if cfg.AcceptVMM {
+		c |= CapVMM
 	}
 	if cfg.ReleaseEvents {
 		c |= CapReleaseEvents

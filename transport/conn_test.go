@@ -192,11 +192,11 @@ func TestWrongRoleSends(t *testing.T) {
 func TestFDPassing(t *testing.T) {
 	checkNoFDLeak(t)
 	ccfg := testConfig(RoleConsumer, nil)
-	ccfg.AcceptFDs = true
+	ccfg.AcceptVMM = true
 	prod, cons := pair(t, testConfig(RoleProducer, nil), ccfg)
 	ctx := testCtx(t)
-	if prod.Peer().Caps&CapFDs == 0 {
-		t.Fatal("consumer did not advertise CapFDs")
+	if prod.Peer().Caps&CapVMM == 0 {
+		t.Fatal("consumer did not advertise CapVMM")
 	}
 	const text = "device memory, exported"
 	mfd, err := unix.MemfdCreate("cudashare-test", unix.MFD_CLOEXEC)
@@ -246,7 +246,7 @@ func TestFDsNeedCapability(t *testing.T) {
 	o := testOffer()
 	o.FDs = []int{0}
 	if err := prod.SendOffer(testCtx(t), &o); !errors.Is(err, ErrNotSupported) {
-		t.Fatalf("descriptors to a consumer without CapFDs: %v, want ErrNotSupported", err)
+		t.Fatalf("descriptors to a consumer without CapVMM: %v, want ErrNotSupported", err)
 	}
 }
 
@@ -328,7 +328,7 @@ func TestDescriptorAbuse(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			checkNoFDLeak(t)
 			cfg := testConfig(RoleConsumer, nil)
-			cfg.AcceptFDs = tc.acceptFDs
+			cfg.AcceptVMM = tc.acceptFDs
 			c, p := rawProducer(t, cfg, 64)
 			tc.send(p)
 			closeFDs(mine)

@@ -20,7 +20,7 @@ var writeSeeds = flag.Bool("write-seeds", false, "rewrite testdata/fuzz/FuzzDeco
 // bad bodies of TestDecodeRejects.
 func seedStreams() map[string][]byte {
 	o := testOffer()
-	h := hello{kind: KindHello, version: Version, role: RoleConsumer, pid: 77, devices: []UUID{{1}, {2}}, caps: CapFDs, credits: 64}
+	h := hello{kind: KindHello, version: Version, role: RoleConsumer, pid: 77, devices: []UUID{{1}, {2}}, caps: CapVMM, credits: 64}
 	seeds := map[string][]byte{
 		"offer":         appendOffer(nil, &o),
 		"release":       appendRelease(nil, []uint64{1, 2, 1 << 40}, nil),

@@ -32,8 +32,10 @@ func (r Role) String() string {
 // can receive; bits it does not know are ignored.
 type Caps uint64
 
-// CapFDs says that the side accepts file descriptors with an offer.
-const CapFDs Caps = 1 << 0
+// CapVMM says that the side, a consumer, imports vmm handles
+// (HandleVMM), and so accepts the file descriptors that come with their
+// offers: the only descriptors an offer carries.
+const CapVMM Caps = 1 << 0
 
 // CapReleaseEvents says that the side (a producer) honours the event a
 // release may carry: it does not write a released buffer again before the
@@ -59,10 +61,10 @@ type HandleKind uint8
 const (
 	// HandleIPC: Handle is a CUipcMemHandle (legacy CUDA IPC).
 	HandleIPC HandleKind = 0
-	// HandleFD: a VMM allocation exported as a POSIX file descriptor. The
+	// HandleVMM: a VMM allocation exported as a POSIX file descriptor. The
 	// first offer of the allocation on a connection carries the fd; Handle
 	// is an opaque identity of the allocation, the same in every offer.
-	HandleFD HandleKind = 1
+	HandleVMM HandleKind = 1
 	// HandleFabric: Handle is a CUmemFabricHandle. Reserved.
 	HandleFabric HandleKind = 2
 )
@@ -70,9 +72,9 @@ const (
 func (k HandleKind) String() string {
 	switch k {
 	case HandleIPC:
-		return "cuda_ipc"
-	case HandleFD:
-		return "posix_fd"
+		return "ipc"
+	case HandleVMM:
+		return "vmm"
 	case HandleFabric:
 		return "fabric"
 	}
@@ -89,7 +91,7 @@ type UUID = uuid.UUID
 // are depends on the field and, for Offer.Handle, on the offer's
 // HandleKind (PROTOCOL.md, section 4.1):
 //   - HandleIPC: the allocation's CUipcMemHandle.
-//   - HandleFD: an opaque identity of the allocation, the same in every
+//   - HandleVMM: an opaque identity of the allocation, the same in every
 //     offer of it (the Go producer: its AllocID, little-endian, then
 //     zeros); the memory travels as the offer's file descriptor.
 //   - HandleFabric: a CUmemFabricHandle (reserved).
@@ -134,7 +136,7 @@ type Offer struct {
 	// buffer, valid until the next Recv.
 	Meta []byte
 	// FDs are descriptors that travel with the offer (SCM_RIGHTS), at most
-	// MaxFDs, and only to a peer that advertised CapFDs. SendOffer
+	// MaxFDs, and only to a peer that advertised CapVMM. SendOffer
 	// duplicates them, so the caller keeps its own. Received, they belong
 	// to the caller, who must close them.
 	FDs []int

@@ -49,7 +49,7 @@ func TestPythonPeer(t *testing.T) {
 	}
 	defer c.Close()
 	p := c.Peer()
-	if p.Role != RoleConsumer || p.Caps != CapFDs || len(p.Devices) != 1 || p.Devices[0] != (UUID{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}) {
+	if p.Role != RoleConsumer || p.Caps != CapVMM || len(p.Devices) != 1 || p.Devices[0] != (UUID{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}) {
 		t.Fatalf("python peer: %+v", p)
 	}
 

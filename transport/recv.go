@@ -401,8 +401,8 @@ func (c *Conn) takeFDs(oob []byte, flags int) error {
 	switch {
 	case flags&unix.MSG_CTRUNC != 0:
 		err = malformed("more than %d descriptors with one message", MaxFDs)
-	case !c.cfg.AcceptFDs && !(c.handshaking && c.askShm):
-		err = fmt.Errorf("%w: %d descriptors, and this side did not advertise CapFDs", ErrUnexpectedMessage, len(fds))
+	case !c.cfg.AcceptVMM && !(c.handshaking && c.askShm):
+		err = fmt.Errorf("%w: %d descriptors, and this side did not advertise CapVMM", ErrUnexpectedMessage, len(fds))
 	case len(c.fdq)+len(fds) > c.fdLimit():
 		err = malformed("%d descriptors pending, limit %d", len(c.fdq)+len(fds), c.fdLimit())
 	}
@@ -477,10 +477,10 @@ func (c *Conn) admit(kind Kind, m *Message) error {
 	switch kind {
 	case KindOffer:
 		nfds := c.dec.nfds
-		if nfds > 0 && !c.cfg.AcceptFDs {
+		if nfds > 0 && !c.cfg.AcceptVMM {
 			// Descriptors to a side that did not ask for them, whether
 			// or not any came: PROTOCOL.md section 5.
-			return fmt.Errorf("%w: offer declares %d descriptors, and this side did not advertise CapFDs", ErrUnexpectedMessage, nfds)
+			return fmt.Errorf("%w: offer declares %d descriptors, and this side did not advertise CapVMM", ErrUnexpectedMessage, nfds)
 		}
 		if nfds > len(c.fdq) && c.shm != nil {
 			// They left on the socket before the offer entered the lane.

@@ -21,9 +21,9 @@ func (c *Conn) SendOffer(ctx context.Context, o *Offer) error {
 	}
 	switch o.HandleKind {
 	case HandleIPC:
-	case HandleFD:
-		if c.peer.Caps&CapFDs == 0 {
-			return fmt.Errorf("%w: %s does not accept descriptors, so not posix_fd handles", ErrNotSupported, c.desc)
+	case HandleVMM:
+		if c.peer.Caps&CapVMM == 0 {
+			return fmt.Errorf("%w: %s does not accept descriptors, so not vmm handles", ErrNotSupported, c.desc)
 		}
 	case HandleFabric:
 		if c.peer.Caps&CapFabric == 0 {
@@ -37,7 +37,7 @@ func (c *Conn) SendOffer(ctx context.Context, o *Offer) error {
 		if len(o.FDs) > MaxFDs {
 			return fmt.Errorf("transport: offer with %d descriptors, limit %d", len(o.FDs), MaxFDs)
 		}
-		if c.peer.Caps&CapFDs == 0 {
+		if c.peer.Caps&CapVMM == 0 {
 			return fmt.Errorf("%w: %s does not accept descriptors", ErrNotSupported, c.desc)
 		}
 		var err error

@@ -53,7 +53,7 @@ func TestShmMixed(t *testing.T) {
 			pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
 			pcfg.DisableShm = pcfg.DisableShm || tc.prod
 			ccfg.DisableShm = ccfg.DisableShm || tc.cons
-			ccfg.AcceptFDs = true
+			ccfg.AcceptVMM = true
 			prod, cons := pair(t, pcfg, ccfg)
 			want := !pcfg.DisableShm && !ccfg.DisableShm
 			if prod.Shm() != want || cons.Shm() != want {
@@ -434,7 +434,7 @@ func offerWithHelloAck(t *testing.T) {
 		bufio.NewReader(p.c).ReadByte() // until the dialer hangs up
 	})
 	cfg := testConfig(RoleConsumer, nil)
-	cfg.AcceptFDs = true
+	cfg.AcceptVMM = true
 	c, err := Dial(testCtx(t), path, cfg)
 	if err != nil {
 		t.Fatal(err)
@@ -457,7 +457,7 @@ func shmConfigs(t *testing.T) (prod, cons Config) {
 	if prod.DisableShm {
 		t.Skip("socket mode")
 	}
-	cons.AcceptFDs = true
+	cons.AcceptVMM = true
 	return prod, cons
 }
 

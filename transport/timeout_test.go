@@ -19,7 +19,7 @@ func TestWriteTimeoutOnlyWhileBlocked(t *testing.T) {
 	pcfg := testConfig(RoleProducer, nil)
 	pcfg.WriteTimeout = 100 * time.Millisecond
 	ccfg := testConfig(RoleConsumer, nil)
-	ccfg.AcceptFDs = true
+	ccfg.AcceptVMM = true
 	prod, cons := pair(t, pcfg, ccfg)
 	ctx := testCtx(t)
 	fd, err := unix.MemfdCreate("batched", unix.MFD_CLOEXEC)
@@ -129,7 +129,7 @@ func TestWriteTimeoutStalledPeer(t *testing.T) {
 		pcfg.MaxQueued = MinFrameSize
 		l := listen(t, pcfg)
 		p := rawDial(t, l.Addr())
-		p.hello(RoleConsumer, MaxWindow, CapFDs) // and never reads
+		p.hello(RoleConsumer, MaxWindow, CapVMM) // and never reads
 		prod, err := l.Accept(testCtx(t))
 		if err != nil {
 			t.Fatal(err)

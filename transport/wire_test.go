@@ -84,7 +84,7 @@ func TestOfferRoundTrip(t *testing.T) {
 	}
 	// A handle kind other than legacy IPC travels as a 13th element; a
 	// legacy offer keeps the 12-element form every version 1 peer reads.
-	for _, k := range []HandleKind{HandleFD, HandleFabric, 200} {
+	for _, k := range []HandleKind{HandleVMM, HandleFabric, 200} {
 		o.HandleKind = k
 		body := frameBody(t, appendOffer(nil, &o))
 		if body[0] != 0x90|offerKindFields {
@@ -108,7 +108,7 @@ func TestOfferRoundTrip(t *testing.T) {
 func TestStandardMsgpack(t *testing.T) {
 	o := testOffer()
 	h := hello{kind: KindHello, version: Version, role: RoleConsumer, pid: 1234,
-		devices: []UUID{{1}, {2}}, caps: CapFDs, credits: 64}
+		devices: []UUID{{1}, {2}}, caps: CapVMM, credits: 64}
 	cases := []struct {
 		name  string
 		frame []byte
@@ -125,7 +125,7 @@ func TestStandardMsgpack(t *testing.T) {
 		{"error", appendError(nil, codeVersion, "v2"), []any{uint64(KindError), uint64(codeVersion), "v2"}},
 		{"hello", appendHello(nil, &h), []any{uint64(KindHello), uint64(Version), uint64(RoleConsumer), uint64(1234),
 			make([]byte, 16), []any{append([]byte{1}, make([]byte, 15)...), append([]byte{2}, make([]byte, 15)...)},
-			uint64(CapFDs), uint64(64)}},
+			uint64(CapVMM), uint64(64)}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -37,7 +37,7 @@ func TestConsumerProtocolErrorInHandshake(t *testing.T) {
 		fd   bool // send an unsealed segment with it
 	}{
 		{"not msgpack", []byte{0xc1}, false},
-		{"unsealed shm segment", ack(transport.CapShm | transport.CapFDs), true},
+		{"unsealed shm segment", ack(transport.CapShm | transport.CapVMM), true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir, err := os.MkdirTemp("", "cudashare-app-")

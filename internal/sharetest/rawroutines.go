@@ -144,7 +144,7 @@ func rawConsumer(ce *ChildEnv) error {
 	defer cancel()
 	cfg := transport.DefaultConfig(transport.RoleConsumer)
 	cfg.Devices = []transport.UUID{ce.Ctx.Device().UUID()}
-	cfg.AcceptFDs = true
+	cfg.AcceptVMM = true
 	if n := Param(ParamCredits, 0); n > 0 {
 		cfg.Credits = uint32(n)
 	}
@@ -180,7 +180,7 @@ func rawConsumer(ce *ChildEnv) error {
 		if len(seqs) == 0 {
 			first = m.Offer
 			first.Meta, first.FDs = nil, nil
-			if m.Offer.HandleKind == transport.HandleFD {
+			if m.Offer.HandleKind == transport.HandleVMM {
 				if vmm, err = importFD(ce.Ctx, m.Offer); err != nil {
 					return err
 				}
@@ -255,7 +255,7 @@ func grabber(ce *ChildEnv) error {
 	cfg := transport.DefaultConfig(transport.RoleConsumer)
 	cfg.Devices = []transport.UUID{ce.Ctx.Device().UUID()}
 	cfg.Credits = 1
-	cfg.AcceptFDs = true
+	cfg.AcceptVMM = true
 	got := 0
 	var maps []*vmmImport // what it took with VMM, mapped until it exits
 	defer func() {
@@ -271,7 +271,7 @@ func grabber(ce *ChildEnv) error {
 			for conn.Recv(ctx, &m) == nil {
 				if m.Kind == transport.KindOffer {
 					got++
-					if m.Offer.HandleKind == transport.HandleFD {
+					if m.Offer.HandleKind == transport.HandleVMM {
 						if v, err := importFD(ce.Ctx, m.Offer); err == nil {
 							maps = append(maps, v)
 						}
@@ -426,7 +426,7 @@ func freeOnGoodbyeRound(ctx context.Context, ce *ChildEnv, ln *transport.Listene
 	return nil
 }
 
-// vmmImport is a posix_fd allocation imported and mapped by hand.
+// vmmImport is a vmm allocation imported and mapped by hand.
 type vmmImport struct {
 	a *driver.Allocation
 	m *driver.Mapping
@@ -434,7 +434,7 @@ type vmmImport struct {
 
 func importFD(ctx *driver.Context, o transport.Offer) (*vmmImport, error) {
 	if len(o.FDs) != 1 {
-		return nil, fmt.Errorf("first offer of posix_fd allocation %d with %d descriptors", o.AllocID, len(o.FDs))
+		return nil, fmt.Errorf("first offer of vmm allocation %d with %d descriptors", o.AllocID, len(o.FDs))
 	}
 	a, err := ctx.ImportFD(o.FDs[0], o.AllocSize)
 	if err != nil {
@@ -504,7 +504,7 @@ func unsealedProducer(ce *ChildEnv) error {
 	for i := range offers {
 		o := &offers[i]
 		o.Handle[0] = byte(o.AllocID)
-		o.HandleKind, o.AllocSize, o.Size, o.Device, o.Meta = transport.HandleFD, size, 4096, dev, Meta(3)
+		o.HandleKind, o.AllocSize, o.Size, o.Device, o.Meta = transport.HandleVMM, size, 4096, dev, Meta(3)
 	}
 	rep, err := offerThenRetire(ctx, conn, offers, 2)
 	if err != nil {

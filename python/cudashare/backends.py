@@ -29,8 +29,8 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 class Mapping:
     """One imported allocation. ``ptr`` is the address of its byte 0: a
-    device pointer (cuda), a host address (sim, posix_fd), or None where
-    the data is not reachable (sim, cuda_ipc)."""
+    device pointer (cuda), a host address (sim, vmm), or None where
+    the data is not reachable (sim, ipc)."""
     __slots__ = ("alloc_id", "kind", "ptr", "size", "handle", "extra", "closed")
 
     def __init__(self, alloc_id, kind, ptr, size, handle, extra=None):
@@ -84,7 +84,7 @@ def _check_sim_memfd(fd, alloc_size):
 
 
 class SimBackend:
-    """The simulator's representation (PROTOCOL.md §4.1.1): a posix_fd
+    """The simulator's representation (PROTOCOL.md §4.1.1): a vmm
     allocation is a sealed memfd with a 4096-byte header and then the
     memory, which any process maps MAP_SHARED. Legacy IPC
     handles name state only the Go simulator reads: such leases work as far
@@ -100,7 +100,7 @@ class SimBackend:
         self.device_uuid = None
 
     def open(self, offer, fds):
-        if offer.handle_kind == wire.HANDLE_CUDA_IPC:
+        if offer.handle_kind == wire.HANDLE_IPC:
             return Mapping(offer.alloc_id, offer.handle_kind, None, offer.alloc_size, offer.handle)
         fd = fds[0]
         try:
@@ -328,7 +328,7 @@ class CudaBackend:
         return out
 
     def open(self, offer, fds):
-        if offer.handle_kind == wire.HANDLE_CUDA_IPC:
+        if offer.handle_kind == wire.HANDLE_IPC:
             p = _U64()
             self.call("cuIpcOpenMemHandle_v2", ctypes.byref(p), _Handle64.of(offer.handle),
                       CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
@@ -364,7 +364,7 @@ class CudaBackend:
         if m.closed:
             return
         m.closed = True
-        if m.kind == wire.HANDLE_CUDA_IPC:
+        if m.kind == wire.HANDLE_IPC:
             self.call("cuIpcCloseMemHandle", m.ptr)
         else:
             self.call("cuMemUnmap", m.ptr, m.size)

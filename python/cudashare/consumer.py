@@ -401,7 +401,7 @@ class Consumer(Reader, Releases):
         self._sock.settimeout(0.0)
 
     def _handshake(self, timeout, backend):
-        caps = wire.CAP_FDS
+        caps = wire.CAP_VMM
         if self._want_shm:
             ok, self.shm_reason = shm.available()
             if ok:
@@ -427,7 +427,7 @@ class Consumer(Reader, Releases):
                 raise Timeout("handshake with %s: no hello-ack within %.1fs" % (self.path, timeout))
             self._sock.settimeout(left)
             try:
-                # The hello advertised CAP_FDS: the producer's first offer
+                # The hello advertised CAP_VMM: the producer's first offer
                 # may follow the hello-ack at once, its descriptor arriving
                 # in this same read. It is queued for the offer to claim
                 # (check_partial closes any that none claims).

@@ -44,8 +44,8 @@ class Lease(wire.Offer):
         self._check()
         if self._mapping.ptr is None:
             raise NotSupported(
-                "lease %d: the simulator's legacy IPC (cuda_ipc) memory lives in the Go simulator and is not "
-                "reachable from Python; start the producer with VMM sharing (posix_fd) to read data on the simulator" % self.seq)
+                "lease %d: the simulator's legacy IPC memory lives in the Go simulator and is not "
+                "reachable from Python; start the producer with -sharing vmm to read data on the simulator" % self.seq)
         return self._mapping.ptr + self.offset
 
     def _check(self):

@@ -237,7 +237,7 @@ class Reader:
                 # (a write failed, in another thread) while the reader read
                 # on: not a lease to hand out, nor one to report leaked.
                 return
-            if o.handle_kind not in (wire.HANDLE_CUDA_IPC, wire.HANDLE_POSIX_FD):
+            if o.handle_kind not in (wire.HANDLE_IPC, wire.HANDLE_VMM):
                 raise ProtocolError(errors.NOT_SUPPORTED, "offer of handle kind %d, which this consumer does not import" % o.handle_kind)
             with self._lock:
                 if len(self._outstanding) >= self._window:
@@ -248,10 +248,10 @@ class Reader:
             if a is not None:
                 self._check_mapped(o, a, fds)
             else:
-                if o.handle_kind == wire.HANDLE_POSIX_FD and len(fds) != 1:
-                    raise wire.malformed("first offer of posix_fd allocation %d carries %d descriptors, want 1", o.alloc_id, len(fds))
-                if o.handle_kind == wire.HANDLE_CUDA_IPC and fds:
-                    raise wire.malformed("cuda_ipc offer carries %d descriptors", len(fds))
+                if o.handle_kind == wire.HANDLE_VMM and len(fds) != 1:
+                    raise wire.malformed("first offer of vmm allocation %d carries %d descriptors, want 1", o.alloc_id, len(fds))
+                if o.handle_kind == wire.HANDLE_IPC and fds:
+                    raise wire.malformed("ipc offer carries %d descriptors", len(fds))
                 mapping = self._backend.open(o, fds)  # closes the descriptor
                 fds = []
                 a = _Alloc(o.alloc_id, mapping)
@@ -299,7 +299,7 @@ class Reader:
             raise wire.malformed("allocation %d offered with another handle", o.alloc_id)
         if fds:
             raise wire.malformed("offer of allocation %d, mapped already, carries %d descriptors", o.alloc_id, len(fds))
-        if o.alloc_size > mp.size or (mp.kind == wire.HANDLE_CUDA_IPC and o.alloc_size != mp.size):
+        if o.alloc_size > mp.size or (mp.kind == wire.HANDLE_IPC and o.alloc_size != mp.size):
             raise wire.malformed("allocation %d offered with alloc_size %d, mapped with %d", o.alloc_id, o.alloc_size, mp.size)
 
     def _on_retire(self, alloc_id):

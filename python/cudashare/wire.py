@@ -25,13 +25,13 @@ ROLE_CONSUMER = 2
 
 HELLO, HELLO_ACK, OFFER, RELEASE, RETIRE, CLOSED, CREDIT, GOODBYE, ERROR = range(1, 10)
 
-CAP_FDS = 1
+CAP_VMM = 1
 CAP_RELEASE_EVENTS = 2
 CAP_FABRIC = 4
 CAP_SHM = 8
 
-HANDLE_CUDA_IPC = 0
-HANDLE_POSIX_FD = 1
+HANDLE_IPC = 0
+HANDLE_VMM = 1
 HANDLE_FABRIC = 2
 
 FRAME_CAP = 65536          # this receiver's cap (>= 8192)
@@ -187,7 +187,7 @@ class Offer:
             k = m[12]
             o.handle_kind = k if type(k) is int and 0 <= k <= 0xff else uint(k, "offer.handle_kind")
         else:
-            o.handle_kind = HANDLE_CUDA_IPC
+            o.handle_kind = HANDLE_IPC
         o.received_ns = _monotonic_ns()
         return o
 

@@ -1,4 +1,4 @@
-"""The consumer against a Python fake producer: the posix_fd data path in
+"""The consumer against a Python fake producer: the vmm data path in
 the simulator's memfd layout, views, and every kind of hostile input. A
 hostile producer must get an error (with the right code), never a hang or
 unbounded memory, and every descriptor it sent must be closed."""
@@ -43,7 +43,7 @@ def expect_error(f, c, code):
     c.close(timeout=0.5)
 
 
-def test_posix_fd_data_views_and_retire(fake):
+def test_vmm_data_views_and_retire(fake):
     f, c = connected(fake)
     fd = sim_memfd(MiB2, 7)
     f.offer(1, size=4096, offset=8192, kind=1, nfds=1, fds=[fd], meta={"dtype": "float32", "shape": [2, 512]})
@@ -164,7 +164,7 @@ def test_close_says_goodbye_and_voids_held_leases(fake):
     ("meta too large", lambda f: f.offer(1, meta="x" * 5000), E.MALFORMED),
     ("fabric handle", lambda f: f.offer(1, kind=2), E.NOT_SUPPORTED),
     ("unknown handle kind", lambda f: f.offer(1, kind=7), E.NOT_SUPPORTED),
-    ("posix_fd without fd", lambda f: f.offer(1, kind=1), E.MALFORMED),
+    ("vmm without fd", lambda f: f.offer(1, kind=1), E.MALFORMED),
     ("nfds without fds", lambda f: f.offer(1, kind=1, nfds=1), E.MALFORMED),
 ])
 def test_hostile_input(fake, name, send, code):

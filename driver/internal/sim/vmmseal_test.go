@@ -275,7 +275,7 @@ func TestVMMLayoutDocumented(t *testing.T) {
 	}
 	_, sec, found := strings.Cut(string(b), "\n### 4.1.1 ")
 	if !found {
-		t.Fatal("PROTOCOL.md has no section 4.1.1 on the simulator's posix_fd allocations")
+		t.Fatal("PROTOCOL.md has no section 4.1.1 on the simulator's vmm allocations")
 	}
 	sec, _, _ = strings.Cut(sec, "\n### ")
 	type row struct{ off, n int }
