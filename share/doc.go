@@ -26,8 +26,8 @@
 // Context.Handle give the raw CUstream and CUcontext to such code.
 //
 // Metadata is one msgpack value: EncodeMeta makes it from a Go value,
-// DecodeMeta and Lease.DecodeMeta read it back, and ArrayMeta and
-// Lease.Array follow the dtype and shape convention of PROTOCOL.md section
+// DecodeMeta and Lease.DecodeMeta read it back, and ViewMeta and
+// Lease.View follow the dtype and shape convention of PROTOCOL.md section
 // 4.2. Lease.CopyToHost and CopyElements copy a lease to the host without
 // reading past it. ImporterConfig.DialWait lets a consumer start before
 // its producer; DefaultSocketPath is where both meet by default.

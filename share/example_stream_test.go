@@ -81,9 +81,9 @@ func openContext() *driver.Context {
 
 // Metadata: a Go value on the producer's side, the same value (and the
 // PROTOCOL.md 4.2 view of it) on the consumer's. A Lease has the same
-// methods: l.DecodeMeta(&v), l.Array().
+// methods: l.DecodeMeta(&v), l.View().
 func ExampleEncodeMeta() {
-	meta, err := share.EncodeMeta(share.ArrayMeta{
+	meta, err := share.EncodeMeta(share.ViewMeta{
 		DType: "float32", Shape: []uint64{4, 256},
 		Extra: map[string]any{"batch": 42},
 	})
@@ -91,7 +91,7 @@ func ExampleEncodeMeta() {
 		log.Fatal(err)
 	}
 	// ... share.OfferOptions{Meta: meta} ... and in the consumer:
-	var got share.ArrayMeta
+	var got share.ViewMeta
 	if err := share.DecodeMeta(meta, &got); err != nil {
 		log.Fatal(err)
 	}
@@ -171,7 +171,7 @@ func Example_foreignStream() {
 		if err := dctx.CopyHtoDAsync(b.Ptr(), staging.Bytes(), s); err != nil {
 			log.Fatal(err)
 		}
-		meta, err := share.EncodeMeta(share.ArrayMeta{DType: "float32", Shape: []uint64{exampleFloats}, Extra: map[string]any{"batch": batch}})
+		meta, err := share.EncodeMeta(share.ViewMeta{DType: "float32", Shape: []uint64{exampleFloats}, Extra: map[string]any{"batch": batch}})
 		if err != nil {
 			log.Fatal(err)
 		}
@@ -222,7 +222,7 @@ func Example_workerStreams() {
 	var next, batches atomic.Uint64
 	err = pool.RunWith(ctx, im, pool.Config{Workers: 4, Context: dctx, ReleaseAfter: true},
 		func(ctx context.Context, l *share.Lease) error {
-			dtype, shape, err := l.Array()
+			dtype, shape, err := l.View()
 			if err != nil || dtype != "float32" {
 				return fmt.Errorf("batch %d: %s %v: %v", l.Seq(), dtype, shape, err)
 			}
@@ -287,7 +287,7 @@ func ExampleArena() {
 		if err := dctx.Synchronize(); err != nil { // the copy from pageable memory has landed
 			log.Fatal(err)
 		}
-		meta, err := share.EncodeMeta(share.ArrayMeta{DType: "float32", Shape: []uint64{exampleFloats}, Extra: map[string]any{"batch": batch}})
+		meta, err := share.EncodeMeta(share.ViewMeta{DType: "float32", Shape: []uint64{exampleFloats}, Extra: map[string]any{"batch": batch}})
 		if err != nil {
 			log.Fatal(err)
 		}
@@ -325,7 +325,7 @@ func exampleConsumer(path string) error {
 		if err := l.DecodeMeta(&m); err != nil {
 			return err
 		}
-		dtype, shape, err := l.Array()
+		dtype, shape, err := l.View()
 		if err != nil || dtype != "float32" || len(shape) != 1 || shape[0] != exampleFloats {
 			return fmt.Errorf("batch %d: %s %v %v", m.Batch, dtype, shape, err)
 		}
@@ -384,7 +384,7 @@ func exampleProducer(path string) error {
 		if err := dctx.MemsetAsync(b.Ptr(), byte(batch), b.Size(), s); err != nil {
 			return err
 		}
-		meta, err := share.EncodeMeta(share.ArrayMeta{DType: "float32", Shape: []uint64{exampleFloats}, Extra: map[string]any{"batch": batch}})
+		meta, err := share.EncodeMeta(share.ViewMeta{DType: "float32", Shape: []uint64{exampleFloats}, Extra: map[string]any{"batch": batch}})
 		if err != nil {
 			return err
 		}

@@ -2,6 +2,6 @@
 
 package share
 
-// ArrayOf exposes arrayOf, what Lease.Array reads, for tests without a
+// ViewOf exposes viewOf, what Lease.View reads, for tests without a
 // producer.
-var ArrayOf = arrayOf
+var ViewOf = viewOf

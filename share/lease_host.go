@@ -75,7 +75,7 @@ type Element interface {
 // CopyElements copies the start of l's buffer into dst as elements of T in
 // the host's byte order (the GPU's: little-endian): as many whole elements
 // as dst and the buffer hold. It returns the elements copied. It does not
-// read the lease's metadata; Array says what the producer declared.
+// read the lease's metadata; View says what the producer declared.
 func CopyElements[T Element](l *Lease, dst []T) (int, error) {
 	if len(dst) == 0 {
 		return 0, nil

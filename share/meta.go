@@ -18,10 +18,10 @@ import (
 
 // Metadata travels with an offer as one msgpack value (OfferOptions.Meta,
 // Lease.Meta), so that consumers in any language read it. EncodeMeta and
-// DecodeMeta convert Go values; ArrayMeta is the dtype and shape convention
+// DecodeMeta convert Go values; ViewMeta is the dtype and shape convention
 // of PROTOCOL.md section 4.2, which the Python consumer also reads.
 
-// ErrMeta: metadata that cannot be encoded, decoded, or read as an array
+// ErrMeta: metadata that cannot be encoded, decoded, or read as a view
 // (PROTOCOL.md, section 4.2). The message says what is wrong.
 var ErrMeta = errors.New("share: metadata")
 
@@ -33,7 +33,7 @@ const maxMetaDepth = 16
 // bool, integers, floats, strings, bytes, arrays, maps with string keys,
 // nested at most 16 deep). Structs encode as maps keyed by field name (or
 // the `msgpack:"name"` tag); map keys are sorted, integers take their
-// smallest form. An ArrayMeta encodes as the section 4.2 map.
+// smallest form. An ViewMeta encodes as the section 4.2 map.
 func EncodeMeta(v any) ([]byte, error) {
 	var buf bytes.Buffer
 	enc := msgpack.NewEncoder(&buf)
@@ -118,11 +118,11 @@ func looksJSON(b []byte) bool {
 	return len(t) > 1 && (t[0] == '{' || t[0] == '[') && json.Valid(t)
 }
 
-// ArrayMeta is offer metadata that describes the buffer as an array, in
-// the convention of PROTOCOL.md section 4.2: a map with "dtype" and
-// "shape", and the application's own keys beside them. EncodeMeta and
+// ViewMeta is offer metadata that describes the buffer's view, its element
+// type and shape, in the convention of PROTOCOL.md section 4.2: a map with
+// "dtype" and "shape", and the application's own keys beside them. EncodeMeta and
 // DecodeMeta read and write it as that map.
-type ArrayMeta struct {
+type ViewMeta struct {
 	// DType is the element type: "uint8", "float32", ... (the names of
 	// section 4.2). Empty: not sent; readers take uint8.
 	DType string
@@ -135,16 +135,16 @@ type ArrayMeta struct {
 }
 
 var (
-	_ msgpack.CustomEncoder = ArrayMeta{}
-	_ msgpack.CustomDecoder = (*ArrayMeta)(nil)
+	_ msgpack.CustomEncoder = ViewMeta{}
+	_ msgpack.CustomDecoder = (*ViewMeta)(nil)
 )
 
 // EncodeMsgpack implements msgpack.CustomEncoder: one map, keys sorted.
-func (a ArrayMeta) EncodeMsgpack(enc *msgpack.Encoder) error {
+func (a ViewMeta) EncodeMsgpack(enc *msgpack.Encoder) error {
 	m := make(map[string]any, len(a.Extra)+2)
 	for k, v := range a.Extra {
 		if k == "dtype" || k == "shape" {
-			return fmt.Errorf("ArrayMeta.Extra has the key %q: set the field instead", k)
+			return fmt.Errorf("ViewMeta.Extra has the key %q: set the field instead", k)
 		}
 		m[k] = v
 	}
@@ -179,12 +179,12 @@ func (a ArrayMeta) EncodeMsgpack(enc *msgpack.Encoder) error {
 // DecodeMsgpack implements msgpack.CustomDecoder. A value that is not a
 // map decodes as no dtype and no shape; a dtype that is not a string or a
 // shape that is not an array of non-negative integers is an error.
-func (a *ArrayMeta) DecodeMsgpack(dec *msgpack.Decoder) error {
+func (a *ViewMeta) DecodeMsgpack(dec *msgpack.Decoder) error {
 	v, err := dec.DecodeInterface()
 	if err != nil {
 		return err
 	}
-	*a = ArrayMeta{}
+	*a = ViewMeta{}
 	m, ok := v.(map[string]any)
 	if !ok {
 		return nil
@@ -267,11 +267,11 @@ func knownDTypes() string {
 	return fmt.Sprintf("known: %v", names)
 }
 
-// arrayOf reads meta as an array of size bytes by section 4.2: the dtype
+// viewOf reads meta as a view of size bytes by section 4.2: the dtype
 // (uint8 without one) must be known and the shape ([size/itemsize] without
 // one) must fit in size.
-func arrayOf(meta []byte, size uint64) (string, []uint64, error) {
-	var a ArrayMeta
+func viewOf(meta []byte, size uint64) (string, []uint64, error) {
+	var a ViewMeta
 	if len(meta) > 0 {
 		if err := DecodeMeta(meta, &a); err != nil {
 			return "", nil, err
@@ -305,11 +305,11 @@ func arrayOf(meta []byte, size uint64) (string, []uint64, error) {
 // DecodeMeta).
 func (l *Lease) DecodeMeta(v any) error { return DecodeMeta(l.meta, v) }
 
-// Array reads the lease's metadata as an array (PROTOCOL.md, section 4.2):
+// View reads the lease's metadata as a view (PROTOCOL.md, section 4.2):
 // its element type and shape. Without metadata, or without the keys, the
 // buffer is uint8 of its size. An unknown dtype, or a shape larger than the
 // buffer, is an error matching ErrMeta; the lease stays valid (and must
 // still be released).
-func (l *Lease) Array() (dtype string, shape []uint64, err error) {
-	return arrayOf(l.meta, l.size)
+func (l *Lease) View() (dtype string, shape []uint64, err error) {
+	return viewOf(l.meta, l.size)
 }

@@ -18,11 +18,11 @@ import (
 	"github.com/seed743c36cf/cudashare/share"
 )
 
-// TestArrayMetaRoundTrip: ArrayMeta encodes to the section 4.2 map (what a
+// TestViewMetaRoundTrip: ViewMeta encodes to the section 4.2 map (what a
 // Python consumer reads: plain msgpack with "dtype", "shape" and the other
-// keys beside them) and decodes back, and Array reads it.
-func TestArrayMetaRoundTrip(t *testing.T) {
-	in := share.ArrayMeta{DType: "float32", Shape: []uint64{4, 256}, Extra: map[string]any{"batch": 7}}
+// keys beside them) and decodes back, and View reads it.
+func TestViewMetaRoundTrip(t *testing.T) {
+	in := share.ViewMeta{DType: "float32", Shape: []uint64{4, 256}, Extra: map[string]any{"batch": 7}}
 	b, err := share.EncodeMeta(in)
 	if err != nil {
 		t.Fatal(err)
@@ -34,7 +34,7 @@ func TestArrayMetaRoundTrip(t *testing.T) {
 	if plain["dtype"] != "float32" || len(plain) != 3 {
 		t.Fatalf("the wire map is %v", plain)
 	}
-	var out share.ArrayMeta
+	var out share.ViewMeta
 	if err := share.DecodeMeta(b, &out); err != nil {
 		t.Fatal(err)
 	}
@@ -44,9 +44,9 @@ func TestArrayMetaRoundTrip(t *testing.T) {
 	if n, ok := out.Extra["batch"].(int8); !ok || n != 7 {
 		t.Fatalf("batch decoded as %T %v", out.Extra["batch"], out.Extra["batch"])
 	}
-	dtype, shape, err := share.ArrayOf(b, 4*256*4)
+	dtype, shape, err := share.ViewOf(b, 4*256*4)
 	if err != nil || dtype != "float32" || !slices.Equal(shape, []uint64{4, 256}) {
-		t.Fatalf("ArrayOf = %s %v %v", dtype, shape, err)
+		t.Fatalf("ViewOf = %s %v %v", dtype, shape, err)
 	}
 }
 
@@ -60,8 +60,8 @@ func TestEncodeMetaRefuses(t *testing.T) {
 	}{
 		{"too large", strings.Repeat("x", 5000), "limit 4096"},
 		{"a time", time.Unix(1, 0), "time.Time is not a type the protocol carries"},
-		{"unknown dtype", share.ArrayMeta{DType: "float8"}, "unknown dtype"},
-		{"dtype in Extra", share.ArrayMeta{Extra: map[string]any{"dtype": "int8"}}, "set the field"},
+		{"unknown dtype", share.ViewMeta{DType: "float8"}, "unknown dtype"},
+		{"dtype in Extra", share.ViewMeta{Extra: map[string]any{"dtype": "int8"}}, "set the field"},
 		{"too deep", deep(20), "16 deep"},
 	} {
 		_, err := share.EncodeMeta(c.v)
@@ -95,13 +95,13 @@ func deep(n int) any {
 // mistake the issue saw: 27 bytes after the value, and no hint).
 func TestDecodeMetaErrors(t *testing.T) {
 	js, _ := json.Marshal(map[string]any{"dtype": "float32", "shape": []int{2, 3}})
-	var a share.ArrayMeta
+	var a share.ViewMeta
 	err := share.DecodeMeta(js, &a)
 	if !errors.Is(err, share.ErrMeta) || !strings.Contains(err.Error(), "meta is JSON, not msgpack: use share.EncodeMeta") {
 		t.Errorf("JSON: %v", err)
 	}
-	if _, _, err := share.ArrayOf(js, 1024); err == nil || !strings.Contains(err.Error(), "JSON") {
-		t.Errorf("ArrayOf(JSON) = %v", err)
+	if _, _, err := share.ViewOf(js, 1024); err == nil || !strings.Contains(err.Error(), "JSON") {
+		t.Errorf("ViewOf(JSON) = %v", err)
 	}
 	if err := share.DecodeMeta(nil, &a); !errors.Is(err, share.ErrMeta) || !strings.Contains(err.Error(), "no metadata") {
 		t.Errorf("empty: %v", err)
@@ -117,9 +117,9 @@ func TestDecodeMetaErrors(t *testing.T) {
 	}
 }
 
-// TestArrayOf: the section 4.2 rules: defaults, unknown dtypes, and shapes
+// TestViewOf: the section 4.2 rules: defaults, unknown dtypes, and shapes
 // that do not fit the buffer (or overflow) are refused.
-func TestArrayOf(t *testing.T) {
+func TestViewOf(t *testing.T) {
 	enc := func(v any) []byte {
 		b, err := msgpack.Marshal(v)
 		if err != nil {
@@ -144,7 +144,7 @@ func TestArrayOf(t *testing.T) {
 		{"overflow", enc(map[string]any{"dtype": "int64", "shape": []uint64{1 << 62, 4}}), 100, "", nil, "overflows"},
 		{"dtype not a string", enc(map[string]any{"dtype": 4}), 100, "", nil, "not a string"},
 	} {
-		dtype, shape, err := share.ArrayOf(c.meta, c.size)
+		dtype, shape, err := share.ViewOf(c.meta, c.size)
 		if c.err != "" {
 			if !errors.Is(err, share.ErrMeta) || !strings.Contains(err.Error(), c.err) {
 				t.Errorf("%s: err %v, want ErrMeta saying %q", c.name, err, c.err)
@@ -188,8 +188,8 @@ func TestLeaseHostCopies(t *testing.T) {
 	if err := l.DecodeMeta(&n); err != nil {
 		t.Fatal(err)
 	}
-	if dtype, shape, err := l.Array(); err != nil || dtype != "uint8" || !slices.Equal(shape, []uint64{size}) {
-		t.Errorf("Array of a lease without the keys: %s %v %v", dtype, shape, err)
+	if dtype, shape, err := l.View(); err != nil || dtype != "uint8" || !slices.Equal(shape, []uint64{size}) {
+		t.Errorf("View of a lease without the keys: %s %v %v", dtype, shape, err)
 	}
 
 	big := make([]byte, 2*size) // what silently read the next buffer before
