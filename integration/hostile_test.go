@@ -113,7 +113,7 @@ func runHostile(kind, path string) int {
 		out = frame(hello(1, roleConsumer, 1<<30))
 	case "garbage-after-handshake", "release-unheld":
 		// A well-behaved handshake with no credits, so that no buffer is
-		// ever lent to this process, then a protocol violation.
+		// ever offered to this process, then a protocol violation.
 		c.Write(frame(hello(1, roleConsumer, 0)))
 		if got := readReply(c); got != "GOT hello-ack" {
 			fmt.Println(got)
@@ -143,7 +143,7 @@ func hello(version, role, credits uint64) []byte {
 	id := make([]byte, 16)
 	rand.Read(id)
 	b = append(append(b, 0xc4, 16), id...)
-	// No devices; the vmm capability, so that a producer lending VMM
+	// No devices; the vmm capability, so that a producer sharing by vmm
 	// memory serves it. A hostile peer that maps nothing reads with plain
 	// reads, which make the kernel close the descriptors that arrive.
 	b = append(b, 0x90, 1)

@@ -263,7 +263,7 @@ func hostileSilentRefresh(path string) int {
 }
 
 // hostileIdleFlood (defect 4) opens many handshaken connections (credits 0,
-// so nothing is ever lent) and keeps them idle. It prints one line, "FLOOD
+// so nothing is ever offered) and keeps them idle. It prints one line, "FLOOD
 // acks=A limit=L errors=E eof=F noanswer=N dialfail=D", then holds them
 // until SIGTERM.
 func hostileIdleFlood(path string) int {

@@ -137,7 +137,7 @@ func StartWith(ctx context.Context, imp *share.Importer, cfg Config, h Handler) 
 	// consumer or vanishes: their leases are void then, and a handler
 	// busy for long (every worker holding a lease, none in Next) would
 	// not learn it otherwise. A goodbye does not end it: the producer
-	// waits for the leases handed out.
+	// waits for the leases it holds to be released.
 	lost, lose := context.WithCancelCause(ctx)
 	g, gctx := errgroup.WithContext(lost)
 	g.SetLimit(cfg.Workers)

@@ -15,7 +15,7 @@ const bufferAlign = 256
 
 func alignUp(n uint64) uint64 { return (n + bufferAlign - 1) &^ (bufferAlign - 1) }
 
-// Buffer is a range of an exported allocation: what an offer lends. It
+// Buffer is a range of an exported allocation: what an offer carries. It
 // comes from Register, a Ring or an Arena.
 type Buffer struct {
 	e     *Exporter
@@ -53,7 +53,7 @@ type Buffer struct {
 
 // gpuBusyLocked reports whether consumers' stream-ordered work may still
 // read b: release events not yet waited for, in b.after or held by a
-// settle under way (b.settling). Whoever writes or hands out b settles
+// settle under way (b.settling). Whoever writes or offers b settles
 // first. mu held.
 func (b *Buffer) gpuBusyLocked() bool { return len(b.after) > 0 || b.settlers > 0 }
 

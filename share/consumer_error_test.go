@@ -94,7 +94,7 @@ func TestUnopenableReleaseEvent(t *testing.T) {
 	waitUntil(t, "the consumer dropped", func() bool { return e.Stats().ConsumersDropped == 1 })
 }
 
-// lendOne connects a raw consumer with one credit to e, lends it one
+// lendOne connects a raw consumer with one credit to e, offers it one
 // buffer of a new ring and returns the connection and the offer it
 // received (its descriptors closed).
 func lendOne(t *testing.T, e *share.Exporter) (*transport.Conn, transport.Message) {

@@ -1,4 +1,4 @@
-// Package share lends CUDA device memory from one process to others, with
+// Package share shares CUDA device memory from one process with others, with
 // no copy: a producer's Exporter offers buffers over a Unix socket
 // (package transport, PROTOCOL.md), and each consumer's Importer maps them
 // through CUDA IPC, once per allocation, and hands them out as Leases.

@@ -31,7 +31,7 @@ var (
 	ErrPeerAccessUnsupported = errors.New("share: peer access unsupported between the devices")
 	// ErrStaleHandle: an offer's IPC handle names an allocation other than
 	// the one this process maps under it (a reused handle or address).
-	// The stale mapping is never handed out.
+	// Next never returns a lease in the stale mapping.
 	ErrStaleHandle = errors.New("share: stale IPC handle")
 	// ErrIPCNamespace: the driver refused a legacy CUDA IPC handle
 	// (CUDA_ERROR_INVALID_CONTEXT, matched too) of a producer in a PID

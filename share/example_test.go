@@ -10,7 +10,7 @@ import (
 	"github.com/seed743c36cf/cudashare/share"
 )
 
-// A producer that lends a ring of eight 4 MiB buffers to whoever connects,
+// A producer that offers a ring of eight 4 MiB buffers to whoever connects,
 // each buffer to one consumer, then retires and frees everything once every
 // consumer has closed its mappings.
 func ExampleExporter() {

@@ -303,7 +303,7 @@ func testOfferReads(t *testing.T, sharing share.Sharing, how string) {
 			t.Fatalf("Offer whose context ended: %v", err)
 		}
 		// The connection is whole: the release still comes through, and
-		// the buffer, never lent, is offered now.
+		// the buffer, never offered, is offered now.
 		c.Send("release")
 		if err := e.Offer(ctx, b, share.OfferOptions{Meta: sharetest.Meta(1)}); err != nil {
 			t.Fatalf("Offer after a cancelled one: %v", err)

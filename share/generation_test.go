@@ -13,10 +13,10 @@ import (
 )
 
 // TestGenerationGrowsOnReuse: an offer's generation is larger for every
-// later lend of the same range of an allocation (PROTOCOL.md section 4,
+// later offer of the same range of an allocation (PROTOCOL.md section 4,
 // offer), an arena's fresh buffers included: they reuse the offsets of
 // those freed before them. It was 1 for every arena buffer, so a consumer
-// could not tell the second lend of an offset from the first.
+// could not tell the second offer of an offset from the first.
 func TestGenerationGrowsOnReuse(t *testing.T) {
 	env := sharetest.Setup(t)
 	ctx := sharetest.Ctx(t)

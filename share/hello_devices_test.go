@@ -11,7 +11,7 @@ import (
 	"github.com/seed743c36cf/cudashare/transport"
 )
 
-// TestHelloAckDevices: the producer's hello-ack lists the device it lends
+// TestHelloAckDevices: the producer's hello-ack lists the device it offers
 // from, and only it (PROTOCOL.md section 4, hello): what a consumer may
 // use to choose how to import.
 func TestHelloAckDevices(t *testing.T) {

@@ -20,11 +20,11 @@ import (
 // ImporterConfig configures an Importer. The zero value is usable.
 type ImporterConfig struct {
 	// Credits is the most leases the importer holds at once, queued and
-	// handed out: the producer never lends more. 0 means 64; at most
+	// returned by Next: the producer never offers more. 0 means 64; at most
 	// MaxCredits.
 	Credits uint32
 	// Stream is the stream, of the importer's context, that is made to
-	// wait on the producer's event when Next hands out a lease whose offer
+	// wait on the producer's event when Next returns a lease whose offer
 	// carries one; work on it (or after it) sees the producer's writes.
 	// Nil: Next synchronizes the event on the host instead.
 	Stream *driver.Stream
@@ -60,11 +60,11 @@ const MaxCredits = 1 << 16
 
 // ImporterStats are an importer's counters.
 type ImporterStats struct {
-	Leases   uint64 // handed out by Next
+	Leases   uint64 // returned by Next
 	Direct   uint64 // of those, read from the connection by Next itself, not queued by the background reader
 	Released uint64 // released, by Release or on the user's behalf
 	Leaked   uint64 // garbage-collected without Release (and then released)
-	Held     int    // handed out and not released now
+	Held     int    // returned by Next and not released now
 	Mappings int    // allocations this importer holds open now
 	Retired  uint64 // allocations the producer retired that this importer closed
 	// EventsOpened counts the producer's events opened from their handles:
@@ -82,7 +82,7 @@ const (
 // Importer is the consumer side: one connection to a producer. Offers are
 // mapped through the registry (one open per allocation). While the
 // application keeps calling Next, the goroutine in Next reads the
-// connection itself and hands out the offer it reads, with no other
+// connection itself and returns the offer it reads, with no other
 // goroutine involved; once Next has not been called for a moment, a
 // goroutine of the importer's own reads instead, queueing offers for Next
 // and answering the producer's retires as soon as no lease is in the
@@ -130,7 +130,7 @@ type Importer struct {
 	// the producer's events (importer_end.go). held goes down with mu
 	// held, and is read with mu held where it decides something.
 	ending    atomic.Bool   // set by endLocked before anything else
-	held      atomic.Int64  // leases handed out (or being handed out) and not released
+	held      atomic.Int64  // leases returned (or being returned) and not released
 	handed    atomic.Uint64 // ImporterStats.Leases
 	direct    atomic.Uint64 // ImporterStats.Direct
 	evUse     atomic.Int64  // Nexts and WaitOns that may use a producer's event without mu (useEvent)
@@ -143,7 +143,7 @@ type impAlloc struct {
 	id      uint64
 	handle  transport.Handle
 	ent     *regEntry
-	leases  int  // queued and handed out
+	leases  int  // queued and returned
 	retired bool // the producer retired it: close once no lease is in it
 	closed  bool // this importer's hold is dropped
 }
@@ -222,7 +222,7 @@ func (im *Importer) Shm() bool { return im.conn.Shm() }
 
 // Done returns a channel that is closed once no more leases come: the
 // producer is gone (its goodbye, a drop, its death) or Shutdown or Close
-// began. Leases already handed out stay valid until released; Err says why.
+// began. Leases Next already returned stay valid until released; Err says why.
 func (im *Importer) Done() <-chan struct{} { return im.stop }
 
 // Err returns nil until Done is closed, then why no more leases come: an
@@ -240,8 +240,8 @@ func (im *Importer) Stats() ImporterStats {
 	defer im.mu.Unlock()
 	s := im.stats
 	s.Leaked = im.leaked.Load()
-	// held also counts a lease being handed out, or dropped by a Next
-	// that found the importer stopping: Held is what was handed out and
+	// held also counts a lease being returned, or dropped by a Next
+	// that found the importer stopping: Held is what was returned and
 	// not released. direct first: it goes up after handed.
 	s.Direct = im.direct.Load()
 	s.Leases = im.handed.Load()
@@ -379,7 +379,7 @@ func (im *Importer) wait(ctx context.Context) (_ *Lease, direct bool, _ error) {
 // and this is one of the three times a handoff would take it (with the
 // offer and the release).
 //
-// Shutdown must never miss a lease handed out: it stores ending, then
+// Shutdown must never miss a lease returned: it stores ending, then
 // loads held; handOut adds to held, then loads ending. The atomics are
 // sequentially consistent, so at least one of the two sees the other's
 // write: either Shutdown waits for this lease, or handOut drops it.
@@ -496,7 +496,7 @@ func (im *Importer) leaseLocked(o *transport.Offer) (*Lease, error) {
 		}
 	}
 	l := im.newLeaseLocked()
-	h := &l.st.out[l.idx] // live once handed out
+	h := &l.st.out[l.idx] // live once returned
 	h.a, h.seq = a, o.Seq
 	l.a, l.seq, l.gen, l.ptr, l.size, l.ev = a, o.Seq, o.Generation, a.ent.ptr+driver.DevicePtr(o.Offset), o.Size, ev
 	if n := len(o.Meta); n > 0 {

@@ -16,7 +16,7 @@ import (
 // connection's end), Shutdown and Close, and the queued leases dropped on
 // the way.
 
-// dropQueuedLocked ends a lease that was never handed out.
+// dropQueuedLocked ends a lease that was never returned.
 func (im *Importer) dropQueuedLocked(l *Lease) {
 	if l.err != nil || l.a.closed {
 		return
@@ -40,7 +40,7 @@ func (im *Importer) drainLocked() {
 	}
 }
 
-// unholdLocked counts a lease handed out no more, and wakes Shutdown with
+// unholdLocked counts a lease returned no more, and wakes Shutdown with
 // the last.
 func (im *Importer) unholdLocked() {
 	if im.held.Add(-1) == 0 && im.heldZero != nil {
@@ -86,9 +86,9 @@ func (im *Importer) onEnd(err error) {
 	}
 }
 
-// Shutdown ends the importer gracefully: Next stops handing out leases
+// Shutdown ends the importer gracefully: Next stops returning leases
 // (offers still arriving go back to the producer), Shutdown waits within
-// ctx until every lease handed out is released, closes every mapping,
+// ctx until every lease Next returned is released, closes every mapping,
 // confirms the allocations the producer retired, says goodbye and closes
 // the connection. Mappings are closed before the goodbye, so the producer
 // may free its memory as soon as it reads it. If ctx ends first, Shutdown

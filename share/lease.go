@@ -12,7 +12,7 @@ import (
 	"github.com/seed743c36cf/cudashare/driver"
 )
 
-// Lease is one buffer lent by the producer, mapped in this process. Its
+// Lease is one buffer offered by the producer, mapped in this process. Its
 // pointer is valid until Release (or until the importer is closed); the
 // producer does not write the buffer, retire or free its allocation while
 // the lease is held.
@@ -65,7 +65,7 @@ type leaseBlock struct {
 }
 
 // blockState is the cleanup's view of a block: which of its leases were
-// handed out and not released. It must not refer to the block, or the
+// returned by Next and not released. It must not refer to the block, or the
 // block would never become garbage. Guarded by Importer.mu, but for live.
 type blockState struct {
 	im  *Importer
@@ -78,7 +78,7 @@ type blockState struct {
 type heldLease struct {
 	a    *impAlloc
 	seq  uint64
-	live atomic.Bool // handed out and not released
+	live atomic.Bool // returned by Next and not released
 }
 
 // newLeaseLocked returns a zero Lease from the current block, starting a
@@ -102,7 +102,7 @@ func (im *Importer) newLeaseLocked() *Lease {
 }
 
 // blockCollected releases, on their users' behalf, the leases of a
-// garbage block that were handed out and never released.
+// garbage block that were returned and never released.
 func blockCollected(st *blockState) {
 	im := st.im
 	im.mu.Lock()
@@ -145,7 +145,7 @@ func (l *Lease) Meta() []byte { return l.meta }
 func (l *Lease) Seq() uint64 { return l.seq }
 
 // Generation is the producer's count of offers of the buffer's allocation,
-// this one included: a later lend of the same range has a larger one.
+// this one included: a later offer of the same range has a larger one.
 func (l *Lease) Generation() uint64 { return l.gen }
 
 // Release gives the buffer back to the producer. If the producer has
@@ -164,7 +164,7 @@ func (l *Lease) Release() {
 	defer im.mu.Unlock()
 	h := &l.st.out[l.idx]
 	if !h.live.Load() {
-		return // never handed out, or released on the user's behalf
+		return // never returned, or released on the user's behalf
 	}
 	h.live.Store(false)
 	im.releaseLocked(l.a, l.seq, nil)

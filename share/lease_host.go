@@ -29,7 +29,7 @@ func (l *Lease) CopyToHost(dst []byte) (int, error) { return l.CopyToHostAt(dst,
 // driver.ErrInvalidValue.
 func (l *Lease) CopyToHostAt(dst []byte, off uint64) (int, error) {
 	if l == nil || l.st == nil {
-		return 0, errors.New("share: CopyToHost of a lease Next did not hand out")
+		return 0, errors.New("share: CopyToHost of a lease Next did not return")
 	}
 	if l.done.Load() {
 		return 0, fmt.Errorf("share: copy from lease %d: %w", l.seq, ErrReleased)

@@ -19,7 +19,7 @@ import (
 const pinnedWarnEvery = time.Minute
 
 // pinnedHolders are the lost consumers holding buffers of one ring or
-// arena: the buffers (once each, a broadcast lends one to several) and
+// arena: the buffers (once each, a broadcast offers one to several) and
 // the consumers' descriptions.
 type pinnedHolders struct {
 	bufs  map[*Buffer]struct{}

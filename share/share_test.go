@@ -344,7 +344,7 @@ func testProducerKilled(t *testing.T, sharing share.Sharing) {
 	}
 }
 
-// TestBroadcast proves that Broadcast lends every buffer to every
+// TestBroadcast proves that Broadcast offers every buffer to every
 // consumer that keeps up, and to no consumer more than its backlog allows:
 // every offer is accounted for as sent or missed, every lease a consumer
 // got has the right bytes, and each consumer maps the ring once.

@@ -14,7 +14,7 @@ import (
 )
 
 // Sharing is how an Exporter shares the memory it allocates (rings and
-// arenas; Register always lends the caller's memory with legacy IPC).
+// arenas; Register always offers the caller's memory with legacy IPC).
 type Sharing uint8
 
 const (
@@ -358,7 +358,7 @@ func (e *Exporter) sendFD(ctx context.Context, c *consumer, rec *allocRec, o *tr
 // advertised caps, or nil if it can.
 func (e *Exporter) refuse(caps transport.Caps) error {
 	if e.sharing == SharingVMM && caps&transport.CapVMM == 0 {
-		return fmt.Errorf("%w: this producer lends VMM allocations as file descriptors; the consumer did not advertise the vmm capability (bit 0)", transport.ErrNotSupported)
+		return fmt.Errorf("%w: this producer offers VMM allocations as file descriptors; the consumer did not advertise the vmm capability (bit 0)", transport.ErrNotSupported)
 	}
 	return nil
 }

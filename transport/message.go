@@ -104,7 +104,7 @@ type UUID = uuid.UUID
 // driver.IpcEventHandle(h), Handle(h)).
 type Handle [64]byte
 
-// Offer lends a range of a producer's device allocation to a consumer.
+// Offer offers a range of a producer's device allocation to a consumer.
 type Offer struct {
 	// Seq names this lease in releases. The producer chooses it; it must
 	// not repeat among the offers outstanding on a connection.
@@ -113,7 +113,7 @@ type Offer struct {
 	// consumer may cache its mapping under it until a retire.
 	AllocID uint64
 	// Generation counts the producer's offers of the allocation, from 1:
-	// a later lend of the same range has a larger one.
+	// a later offer of the same range has a larger one.
 	Generation uint64
 	// Handle names the allocation: for HandleIPC its CUipcMemHandle; see
 	// HandleKind for the others.
@@ -121,7 +121,7 @@ type Offer struct {
 	// HandleKind says how the allocation is shared.
 	HandleKind HandleKind
 	// AllocSize is the size of the whole allocation; Offset and Size
-	// select the lent range within it.
+	// select the offered range within it.
 	AllocSize, Offset, Size uint64
 	// Device is the UUID of the device that holds the allocation.
 	Device UUID
@@ -142,7 +142,7 @@ type Offer struct {
 	FDs []int
 }
 
-// checkRange checks that the lent range lies within the allocation.
+// checkRange checks that the offered range lies within the allocation.
 func (o *Offer) checkRange() error {
 	if o.Offset > o.AllocSize || o.Size > o.AllocSize-o.Offset {
 		return malformed("offer: range [%d, +%d) outside allocation of %d bytes", o.Offset, o.Size, o.AllocSize)

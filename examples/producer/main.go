@@ -1,4 +1,4 @@
-// Command producer lends GPU buffers to consumer processes with no copy:
+// Command producer offers GPU buffers to consumer processes with no copy:
 // a ring of reused buffers (or a fresh one per batch from an arena), each
 // filled on the GPU with a pattern that encodes its batch number and offered
 // over a Unix socket. See internal/app for the code, written to be copied,

@@ -103,7 +103,7 @@ func RunConsumer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.IntVar(&cfg.device, "device", 0, "GPU to map the buffers on, as this process numbers them; another GPU than the producer's needs peer access")
 	fs.StringVar(&cfg.socket, "socket", DefaultSocket(), "the producer's Unix socket")
 	fs.IntVar(&cfg.workers, "workers", 2, "workers handling batches concurrently")
-	fs.IntVar(&cfg.credits, "credits", 8, "most batches held at once, queued or in work: the producer never lends more")
+	fs.IntVar(&cfg.credits, "credits", 8, "most batches held at once, queued or in work: the producer never offers more")
 	fs.Var(&cfg.verify, "verify", "check each batch's content: every (16 bytes at each end), byte (one byte, as the torch benchmark does), sample:N (every Nth batch), none; async: copy each batch into a local buffer on the worker's own stream, release it stream-ordered with no host wait, and check 16-byte samples in groups of 64 once an event query says their copy back is done (no host wait unless the GPU falls 192 batches behind; the report's async_waits counts those); with a producer in a PID namespace this one cannot see (another container), or one that does not take release events, interprocess events cannot be used and each release waits on the host for the copy")
 	fs.Uint64Var(&cfg.count, "count", 0, "stop after this many batches (0: until the producer ends)")
 	fs.DurationVar(&cfg.duration, "duration", 0, "stop after this long (0: until the producer ends)")
@@ -469,7 +469,7 @@ func (c *consumer) progressLoop(w io.Writer, done <-chan struct{}) {
 			return
 		case <-t.C:
 			n := c.handoffs.Load()
-			fmt.Fprintf(w, "\r\033[K  %d handoffs  %.0f/s now  %s lent  p50 %.0f µs  errors %d",
+			fmt.Fprintf(w, "\r\033[K  %d handoffs  %.0f/s now  %s offered  p50 %.0f µs  errors %d",
 				n, float64(n-last)/every.Seconds(), humanBytes(c.bytes.Load()),
 				float64(c.hist.quantile(0.5))/1e3, c.verifyErrors.Load()+c.errs.Load())
 			last = n
@@ -670,7 +670,7 @@ func (c *consumer) summary(w io.Writer) {
 			FormatSize(t.Size), t.LocalMS, t.LocalGBs, t.SharedMS, t.SharedGBs, t.Ratio, t.Reps, t.CopiesPerRep)
 		return
 	}
-	fmt.Fprintf(w, "consumer: %d handoffs in %.2fs: %.0f/s, latency p50 %.1f µs, p99 %.1f µs (offer to receipt), %s lent, none copied\n",
+	fmt.Fprintf(w, "consumer: %d handoffs in %.2fs: %.0f/s, latency p50 %.1f µs, p99 %.1f µs (offer to receipt), %s offered, none copied\n",
 		r.Handoffs, r.Seconds, r.HandoffsPerS, r.P50us, r.P99us, humanBytes(r.Bytes))
 	fmt.Fprintf(w, "consumer: verify %s: %d verified, %d wrong, %d unreadable; %d buffer(s), %d mapping(s); ended: %s\n",
 		r.Verify, r.Verified, r.VerifyErrors, r.Errors, r.BuffersSeen, r.Mappings, r.End)

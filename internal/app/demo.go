@@ -201,7 +201,7 @@ func RunDemo(ctx context.Context, args []string, stdout, stderr io.Writer, comma
 		freed = fmt.Sprintf("%d allocation(s) NOT freed", pr.AllocationsLeft)
 		ok = false
 	}
-	row("memory", "%s lent in place, none copied to share it; %d mapping(s) opened in all; %s", humanBytes(pr.BytesOffered), maps, freed)
+	row("memory", "%s offered in place, none copied to share it; %d mapping(s) opened in all; %s", humanBytes(pr.BytesOffered), maps, freed)
 
 	if v, err := d.Violations(); errors.Is(err, driver.ErrStrictUnsupported) {
 		row("violations", "n/a (real driver: only the simulator checks lifetimes)")

@@ -13,7 +13,7 @@ import (
 	"github.com/seed743c36cf/cudashare/share"
 )
 
-const producerSummary = `Lends GPU buffers to consumer processes over a Unix socket, with no copy.
+const producerSummary = `Offers GPU buffers to consumer processes over a Unix socket, with no copy.
 
 Each batch: take a buffer (one of a ring of reused buffers, or with -fresh a
 new one from an arena), fill it on the GPU with a byte derived from the batch
@@ -67,7 +67,7 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.DurationVar(&cfg.duration, "duration", 0, "stop after this long, counted from when -consumers are connected (0: no limit)")
 	fs.IntVar(&cfg.consumers, "consumers", 1, "wait for this many consumers before the first batch")
 	fs.DurationVar(&cfg.wait, "wait", 0, "fail if -consumers have not connected within this long (0: wait until interrupted)")
-	fs.BoolVar(&cfg.broadcast, "broadcast", false, "lend every batch to every connected consumer, instead of each batch to one")
+	fs.BoolVar(&cfg.broadcast, "broadcast", false, "offer every batch to every connected consumer, instead of each batch to one")
 	fs.BoolVar(&cfg.fill, "fill", true, "write each batch's pattern on the GPU; -fill=false offers buffers unwritten, with no GPU work and no event, to measure the handoff alone (pair it with the consumer's -verify none)")
 	fs.BoolVar(&cfg.event, "event", true, "record an interprocess event after the fill, which the consumer's stream waits on; -event=false synchronizes on the host before each offer instead")
 	fs.DurationVar(&cfg.shutdownTimeout, "shutdown-timeout", 30*time.Second, "at the end, how long to wait for consumers to release and unmap the buffers")
@@ -456,7 +456,7 @@ func (p *producer) fill(dctx *driver.Context, stream *driver.Stream, b *share.Bu
 	return nil
 }
 
-// offer lends b to one consumer (or to all with -broadcast). A consumer can
+// offer offers b to one consumer (or to all with -broadcast). A consumer can
 // vanish between being picked and being sent the offer: the offer is then
 // not made, and b goes to another consumer.
 func (p *producer) offer(ctx context.Context, exp *share.Exporter, b *share.Buffer, opts share.OfferOptions) error {
@@ -513,7 +513,7 @@ func (p *producer) summary(w io.Writer) {
 	}
 	fmt.Fprintf(w, "producer: %s driver, GPU %d (%s)\n", r.Driver, r.Device, r.DeviceUUID)
 	fmt.Fprintf(w, "producer: sharing %s: %s\n", r.Sharing, r.SharingWhy)
-	fmt.Fprintf(w, "producer: %d batches of %s (%s) in %.2fs: %.0f batches/s, %s lent in %d offers; ended by %s\n",
+	fmt.Fprintf(w, "producer: %d batches of %s (%s) in %.2fs: %.0f batches/s, %s offered in %d offers; ended by %s\n",
 		r.Batches, FormatSize(r.Size), what, r.Seconds, r.BatchesPerS, humanBytes(r.BytesOffered), r.Offers, r.End)
 	fmt.Fprintf(w, "producer: consumers: %d lost (gone without a goodbye), %d dropped (stuck past a timeout, or a protocol error), %d failed (left with an error of their own, logged); %d broadcast offer(s) missed by a full backlog\n",
 		r.ConsumersLost, r.ConsumersDropped, r.ConsumersFailed, r.BroadcastMissed)

@@ -105,12 +105,12 @@ type ConsumerReport struct {
 	P99us           float64   `json:"p99_us"`
 	MaxUS           float64   `json:"max_us"`
 	CPUusPerHandoff float64   `json:"cpu_us_per_handoff"` // the process's CPU time (user and system, every thread) from the first receipt to the report, per handoff
-	Bytes           uint64    `json:"bytes"`              // bytes lent to this consumer (none copied)
+	Bytes           uint64    `json:"bytes"`              // bytes offered to this consumer (none copied)
 	Size            uint64    `json:"size"`               // size of the last buffer
 	Verified        uint64    `json:"verified"`
 	VerifyErrors    uint64    `json:"verify_errors"`
 	Errors          uint64    `json:"errors"`
-	BuffersSeen     int       `json:"buffers_seen"`          // distinct buffers (pointers) lent: reuse shows as few
+	BuffersSeen     int       `json:"buffers_seen"`          // distinct buffers (pointers) offered: reuse shows as few
 	Mappings        uint64    `json:"mappings"`              // IPC opens: one per allocation, not per batch
 	AsyncWaits      *uint64   `json:"async_waits,omitempty"` // -verify async: times a worker waited for its checks' copy back
 	End             string    `json:"end"`

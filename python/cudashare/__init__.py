@@ -1,4 +1,4 @@
-"""cudashare: use CUDA buffers a cudashare producer lends, with no copy.
+"""cudashare: use CUDA buffers a cudashare producer offers, with no copy.
 
     import cudashare, torch
     s = torch.cuda.Stream()

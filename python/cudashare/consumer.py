@@ -75,7 +75,7 @@ def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeou
     ``shm_reason`` why not. allowed_uids: the users whose listener this
     consumer accepts (PROTOCOL.md section 1; None or empty: this process's
     effective uid only): a listener of another user, who could read or
-    write what it lends, is told so (peer_refused) and ProtocolError is
+    write what it offers, is told so (peer_refused) and ProtocolError is
     raised.
     """
     if shm is None:
@@ -515,7 +515,7 @@ class Consumer(Reader, Releases):
                 # and a lease the application lost with its array() view
                 # is given back (Releases._reap_orphans): at once with every
                 # credit held, else at most every REAP_EVERY (a producer
-                # may lend fewer buffers than the credits).
+                # may offer fewer buffers than the credits).
                 if self._n_views and self._outstanding:
                     now = time.monotonic()
                     if len(self._outstanding) >= self._window or now - self._reap_t >= REAP_EVERY:

@@ -7,7 +7,7 @@ from .errors import Closed, NotSupported
 
 
 class Lease(wire.Offer):
-    """One lent buffer, valid until ``release``.
+    """One offered buffer, valid until ``release``.
 
     Views of it (``__cuda_array_interface__``, ``__dlpack__``, ``host()``,
     ``read()``) are valid only until release: after that the producer
@@ -38,7 +38,7 @@ class Lease(wire.Offer):
 
     @property
     def ptr(self):
-        """The address of the lent range: a device pointer on the cuda
+        """The address of the offered range: a device pointer on the cuda
         backend, a host address on the sim one. Raises NotSupported where
         the data is not reachable (sim, legacy IPC handle)."""
         self._check()
@@ -178,7 +178,7 @@ class Lease(wire.Offer):
         made (the first lease of its range). Run the work on stream, and
         release on it.
 
-        The object is a view of memory lent to this lease only: use it
+        The object is a view of memory that belongs to this lease only: use it
         between array() and release(), as every view; until the release it
         keeps the lease alive, as a tensor of __dlpack__ does. A lease
         dropped without release together with its view is given back (and

@@ -40,7 +40,7 @@ def view_of(meta, size):
     for d in shape:
         n *= d
     if n > size:
-        raise ViewError("offer shape %r of %s is %d bytes, more than the %d bytes lent" % (shape, dtype, n, size))
+        raise ViewError("offer shape %r of %s is %d bytes, more than the %d bytes offered" % (shape, dtype, n, size))
     return dtype, tuple(shape)
 
 

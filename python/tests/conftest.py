@@ -49,7 +49,7 @@ _sharing = {}
 
 
 def producer_has_sharing(gobin):
-    """Whether this producer binary has the -sharing flag (VMM lending)."""
+    """Whether this producer binary has the -sharing flag (vmm sharing)."""
     if gobin not in _sharing:
         h = subprocess.run([gobin, "producer", "-h"], capture_output=True, text=True)
         _sharing[gobin] = "-sharing" in h.stdout + h.stderr

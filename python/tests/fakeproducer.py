@@ -2,9 +2,9 @@
 consumer's hello, and then does what a test tells it, including what no
 honest producer would (huge frames, bad msgpack, descriptor floods).
 
-It also lends simulator-layout VMM allocations (a memfd with the
+It also offers simulator-layout VMM allocations (a memfd with the
 4096-byte header of driver/internal/sim/doc.go), so the data path runs
-before the Go producer lends them.
+before the Go producer offers them.
 """
 
 import array

@@ -291,7 +291,7 @@ def test_array_views_die_with_the_consumer(fake):
 
 
 def test_array_cache_is_bounded(fake, monkeypatch):
-    """A producer that lends ever new ranges (or a caller with a new
+    """A producer that offers ever new ranges (or a caller with a new
     converter per call) cannot grow the cache past MAX_VIEWS per
     allocation, nor past MAX_VIEWS_TOTAL in all; past them each call makes
     a view that keeps its lease alive, as __dlpack__'s do."""
@@ -534,7 +534,7 @@ def test_stale_and_duplicate_pins_do_not_loosen_the_check(fake):
 
 
 def test_a_lost_lease_is_given_back_with_credits_to_spare(fake):
-    """A producer may lend fewer buffers than the credits (a small ring,
+    """A producer may offer fewer buffers than the credits (a small ring,
     -max-leases, broadcast, several consumers): the look for lost leases
     does not wait for every credit to be held."""
     import warnings as w

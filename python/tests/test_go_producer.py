@@ -289,7 +289,7 @@ def test_main_off_the_main_thread():
 
 
 def test_vmm_data_path(go_producer, gobin):
-    """Needs the producer's VMM lending (-sharing vmm)."""
+    """Needs the producer's vmm sharing (-sharing vmm)."""
     if not producer_has_sharing(gobin):
         pytest.skip("this producer has no -sharing flag yet: vmm sharing is not there to test")
     p = go_producer("-count", "12", "-size", "64KiB", "-sharing", "vmm")

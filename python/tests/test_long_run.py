@@ -11,7 +11,7 @@ producer stopped while the consumer waits; an idle consumer; a lease held
 through the producer's shutdown retire.
 
 The write timeout fires only where the producer's messages fill the
-socket: the example producer lends at most its ring at once (8 buffers by
+socket: the example producer offers at most its ring at once (8 buffers by
 default), so only the test that stops a consumer holding a ring of 4096
 small buffers (and turns the lease timeout off) reaches it; elsewhere a
 stopped consumer is dropped by the lease timeout. The producer's frame

@@ -1,6 +1,6 @@
 """bench/py_interop.py on the simulator: its loop, report and exit codes
 with --framework host (the bytes on the host) against the Go producer and
-against a fake producer that lends wrong data; the GPU frameworks skip
+against a fake producer that offers wrong data; the GPU frameworks skip
 (exit 3, a "skipped" reason) where they are not installed."""
 
 import importlib.util
