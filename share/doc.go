@@ -1,7 +1,10 @@
 // Package share shares CUDA device memory from one process with others, with
 // no copy: a producer's Exporter offers buffers over a Unix socket
 // (package transport, PROTOCOL.md), and each consumer's Importer maps them
-// through CUDA IPC, once per allocation, and hands them out as Leases.
+// (vmm or legacy ipc), once per allocation, and returns each offer as a
+// Lease. A user of share needs nothing of package transport: the errors a
+// caller matches (ErrDisconnected, ErrWriteTimeout, ErrTimeout, ...) and
+// the producer's Peer are share's own names (errors.go, peer.go).
 //
 //	producer                                  consumer
 //	e, _ := share.NewExporter(ctx, dctx, path, share.ExporterConfig{})

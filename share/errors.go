@@ -6,6 +6,7 @@ import (
 	"errors"
 
 	"github.com/seed743c36cf/cudashare/internal/closed"
+	"github.com/seed743c36cf/cudashare/transport"
 )
 
 // Errors. Every error this package returns for one of these conditions
@@ -59,3 +60,49 @@ var (
 	// Exporter.Retire to stop sharing it, then free the memory.
 	ErrRegistered = errors.New("share: Free of a registered buffer: its memory belongs to the caller; use Exporter.Retire")
 )
+
+// The connection's errors, which a user of share meets and matches: the
+// same values as transport's (ErrDisconnected is transport.ErrDisconnected),
+// so that errors.Is works with either name and a user of share needs
+// nothing of package transport. What each means is documented there
+// (transport/errors.go) and in PROTOCOL.md's error codes.
+var (
+	// ErrDisconnected: the peer closed the connection or vanished.
+	ErrDisconnected = transport.ErrDisconnected
+	// ErrWriteTimeout: the peer read nothing for the write timeout.
+	ErrWriteTimeout = transport.ErrWriteTimeout
+	// ErrTimeout: a deadline passed (a half-read frame, a lease held past
+	// the producer's lease timeout, a full shm lane left unread); also
+	// matched by a peer's error with that code.
+	ErrTimeout = transport.ErrTimeout
+	// ErrRemote: the peer sent an error message; errors.As with a
+	// *RemoteError gives its code and text.
+	ErrRemote = transport.ErrRemote
+	// ErrPeerRefused: the peer's credentials are not allowed, or the peer
+	// refused this process's.
+	ErrPeerRefused = transport.ErrPeerRefused
+	// ErrHandshake: the handshake failed.
+	ErrHandshake = transport.ErrHandshake
+	// ErrVersion: the peer speaks another protocol version.
+	ErrVersion = transport.ErrVersion
+	// ErrUnsafePath: the socket's directory or file is open to others.
+	ErrUnsafePath = transport.ErrUnsafePath
+	// ErrNotSupported: the peer lacks a capability this side needs (vmm,
+	// release events).
+	ErrNotSupported = transport.ErrNotSupported
+	// ErrMalformed, ErrUnexpectedMessage, ErrUnknownMessage,
+	// ErrFrameTooLarge, ErrCredit, ErrLimit: the peer broke the protocol
+	// (PROTOCOL.md, section 4, error codes).
+	ErrMalformed         = transport.ErrMalformed
+	ErrUnexpectedMessage = transport.ErrUnexpectedMessage
+	ErrUnknownMessage    = transport.ErrUnknownMessage
+	ErrFrameTooLarge     = transport.ErrFrameTooLarge
+	ErrCredit            = transport.ErrCredit
+	ErrLimit             = transport.ErrLimit
+)
+
+// RemoteError is the error message a peer sent (PROTOCOL.md, section 4,
+// error): errors.As(err, new(*RemoteError)) gives its code and text. It is
+// transport's type, named here so that a user of share needs nothing of
+// transport.
+type RemoteError = transport.RemoteError

@@ -110,3 +110,68 @@ func TestImporterClosedErrors(t *testing.T) {
 	}
 	p.Wait()
 }
+
+// TestConnectionErrorsReachableFromShare: the connection's errors a user
+// of share matches are the very values of package transport, under share's
+// names, so that a transport error, wrapped, matches the share name and
+// the other way round; and a peer's error message is reachable with
+// errors.As through share.RemoteError.
+func TestConnectionErrorsReachableFromShare(t *testing.T) {
+	pairs := map[string][2]error{
+		"ErrDisconnected":      {share.ErrDisconnected, transport.ErrDisconnected},
+		"ErrWriteTimeout":      {share.ErrWriteTimeout, transport.ErrWriteTimeout},
+		"ErrTimeout":           {share.ErrTimeout, transport.ErrTimeout},
+		"ErrRemote":            {share.ErrRemote, transport.ErrRemote},
+		"ErrPeerRefused":       {share.ErrPeerRefused, transport.ErrPeerRefused},
+		"ErrHandshake":         {share.ErrHandshake, transport.ErrHandshake},
+		"ErrVersion":           {share.ErrVersion, transport.ErrVersion},
+		"ErrUnsafePath":        {share.ErrUnsafePath, transport.ErrUnsafePath},
+		"ErrNotSupported":      {share.ErrNotSupported, transport.ErrNotSupported},
+		"ErrMalformed":         {share.ErrMalformed, transport.ErrMalformed},
+		"ErrUnexpectedMessage": {share.ErrUnexpectedMessage, transport.ErrUnexpectedMessage},
+		"ErrUnknownMessage":    {share.ErrUnknownMessage, transport.ErrUnknownMessage},
+		"ErrFrameTooLarge":     {share.ErrFrameTooLarge, transport.ErrFrameTooLarge},
+		"ErrCredit":            {share.ErrCredit, transport.ErrCredit},
+		"ErrLimit":             {share.ErrLimit, transport.ErrLimit},
+	}
+	for name, p := range pairs {
+		if p[0] == nil || !errors.Is(fmt.Errorf("x: %w", p[1]), p[0]) || !errors.Is(fmt.Errorf("x: %w", p[0]), p[1]) {
+			t.Errorf("share.%s and transport.%s are not one value", name, name)
+		}
+	}
+	var remote error = fmt.Errorf("x: %w", &transport.RemoteError{Code: 11, Message: "lease held too long", Peer: "producer"})
+	var re *share.RemoteError
+	if !errors.As(remote, &re) || re.Code != 11 || !errors.Is(remote, share.ErrTimeout) {
+		t.Errorf("a peer's timeout error, through share's names: As %v, Is ErrTimeout %v", re, errors.Is(remote, share.ErrTimeout))
+	}
+}
+
+// TestProducerIsShareType: Importer.Producer describes the producer with
+// share's own Peer: its pid (this process started it, so it is visible)
+// and the device it offers from, copied so that the caller's changes do
+// not reach the importer.
+func TestProducerIsShareType(t *testing.T) {
+	env := sharetest.Setup(t)
+	path := sharetest.SocketPath(t)
+	p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path))
+	p.Expect("LISTENING")
+	ctx := sharetest.Ctx(t)
+	im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer im.Close()
+	var peer share.Peer = im.Producer()
+	if peer.PID <= 0 || len(peer.Devices) != 1 {
+		t.Fatalf("Producer() = %+v, want a pid and one device", peer)
+	}
+	peer.Devices[0] = driver.UUID{}
+	if again := im.Producer(); again.Devices[0] == (driver.UUID{}) {
+		t.Errorf("a change to Producer().Devices reached the importer: %+v", again)
+	}
+	if got := peer.String(); got != fmt.Sprintf("pid %d uid %d", peer.PID, peer.UID) {
+		t.Errorf("Peer.String() = %q", got)
+	}
+	im.Close()
+	p.Wait()
+}

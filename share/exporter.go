@@ -147,7 +147,7 @@ type Exporter struct {
 	// while a producer's wait reads or is about to; notified counts
 	// notifyLocked calls, which end such a wait.
 	rd       handover
-	poll     *transport.Poller
+	poll     poller
 	reading  atomic.Bool
 	notified atomic.Uint64
 	// The token's holder's (no lock: one goroutine at a time holds it).
@@ -275,7 +275,7 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 	if spin == 0 {
 		spin = transport.DefaultConfig(transport.RoleProducer).ShmSpin
 	}
-	poll, err := transport.NewPoller(spin)
+	poll, err := newPoller(spin)
 	if err != nil {
 		return nil, fmt.Errorf("share: NewExporter: %w", err)
 	}
@@ -292,7 +292,7 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 		ln:      ln,
 		poll:    poll,
 		log:     log,
-		peerLog: ln.PeerLogger(),
+		peerLog: listenerLogger(ln),
 		done:    make(chan struct{}),
 		conns:   make(map[*consumer]struct{}),
 		recs:    allocTable{byID: make(map[uint64]*allocRec), byBase: make(map[driver.DevicePtr]*allocRec)},

@@ -217,7 +217,7 @@ func (e *Exporter) watchLoop(ctx context.Context, w *procWatch) {
 				e.log.Info("share: lost consumer's process exited; reclaiming its leases and mappings", "peer", c.peer.String())
 				e.dropLocked(c)
 			}
-		case c.conn.PeerHungUp():
+		case connPeerHungUp(c.conn):
 			// It died holding the connection, which the kernel closed
 			// first: its connection's reader is about to see the end.
 		default:
@@ -242,7 +242,7 @@ func (e *Exporter) followConnection(c *consumer) {
 	if c.dropped || e.life.Err() != nil {
 		return
 	}
-	if err == nil && len(pids) == 0 && (c.ended || c.conn.PeerHungUp()) {
+	if err == nil && len(pids) == 0 && (c.ended || connPeerHungUp(c.conn)) {
 		return // it ended meanwhile: its last holder's exit settles it
 	}
 	if err != nil || len(pids) == 0 {
@@ -265,7 +265,7 @@ func (e *Exporter) followConnection(c *consumer) {
 // connectionHolders returns the processes, other than this one, that have
 // a descriptor of the peer end of conn.
 func connectionHolders(conn *transport.Conn) ([]int, error) {
-	ino, err := conn.PeerSocket()
+	ino, err := connPeerSocket(conn)
 	if err != nil {
 		return nil, err
 	}

@@ -109,7 +109,7 @@ func (e *Exporter) readAll() {
 		}
 		c := e.pass.readers[j]
 		for {
-			ok, err := c.conn.TryRecv(&e.pass.msg)
+			ok, err := connTryRecv(c.conn, &e.pass.msg)
 			if !ok && err == nil {
 				break
 			}

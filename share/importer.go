@@ -204,13 +204,13 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 	}
 	im.pushTimer = time.AfterFunc(time.Hour, im.push)
 	im.pushTimer.Stop()
-	im.rd.init(conn.Interrupt)
+	im.rd.init(func() { connInterrupt(conn) })
 	go im.readLoop()
 	return im, nil
 }
 
 // Producer describes the producer this importer is connected to.
-func (im *Importer) Producer() transport.Peer { return im.peer }
+func (im *Importer) Producer() Peer { return peerOf(im.peer) }
 
 // Registry returns the registry holding the importer's mappings.
 func (im *Importer) Registry() *Registry { return im.reg }

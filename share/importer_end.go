@@ -58,7 +58,7 @@ func (im *Importer) endLocked(err error) {
 		im.ended = err
 		close(im.stop)
 		// A Next that reads the connection returns (importer_read.go).
-		im.conn.Interrupt()
+		connInterrupt(im.conn)
 	}
 }
 

@@ -49,7 +49,7 @@ func (im *Importer) readFor(ctx context.Context, next **Lease) (direct bool) {
 		var err error
 		if pushed {
 			err = im.conn.Recv(ctx, &im.msg)
-		} else if ok, terr := im.conn.TryRecv(&im.msg); !ok && terr == nil {
+		} else if ok, terr := connTryRecv(im.conn, &im.msg); !ok && terr == nil {
 			im.push()
 			pushed = true
 			continue
@@ -57,7 +57,7 @@ func (im *Importer) readFor(ctx context.Context, next **Lease) (direct bool) {
 			err = terr
 		}
 		if err != nil {
-			if errors.Is(err, transport.ErrInterrupted) {
+			if errors.Is(err, errInterrupted) {
 				continue // the importer stopped (or an earlier interrupt)
 			}
 			if !ctxEnded(ctx, err) {
@@ -90,7 +90,7 @@ func (im *Importer) readBackground(stopped bool) (ended bool) {
 	seen := im.rd.begun.Load()
 	for !im.readDone {
 		err := im.conn.Recv(context.Background(), &im.msg)
-		if errors.Is(err, transport.ErrInterrupted) {
+		if errors.Is(err, errInterrupted) {
 			// The importer stopped, or Next wants the connection.
 			if stopped = stopped || im.stopped(); !stopped && im.rd.wanted(seen) {
 				return false
@@ -127,7 +127,7 @@ const drainMax = 64
 // drainMax, and queues their leases.
 func (im *Importer) drain() {
 	for range drainMax {
-		ok, err := im.conn.TryRecv(&im.msg)
+		ok, err := connTryRecv(im.conn, &im.msg)
 		var l *Lease
 		if ok {
 			l, err = im.onMessage(&im.msg)

@@ -12,7 +12,7 @@ import (
 // handover passes the reading of a side's connections between the
 // goroutines that wait for what they bring and a background reader: on
 // the consumer's side one connection (Importer.Next waits for offers), on
-// the producer's side every consumer's, through one transport.Poller
+// the producer's side every consumer's, through one transport's poller
 // (Ring.Acquire, Offer, Broadcast, Arena.Alloc and Buffer.WaitOn wait for
 // releases; exporter_read.go). One goroutine reads at a time: whoever
 // takes the token.
@@ -27,7 +27,7 @@ import (
 //     handoverAfter, so that what must be answered while nobody waits
 //     (retires, goodbyes, a peer's end, releases that free a consumer's
 //     credit) is, and gives it back as soon as a wait begins again: the
-//     wait interrupts its receive (intr: transport.Conn.Interrupt, or the
+//     wait interrupts its receive (intr: connInterrupt, or the
 //     Poller's Wake). Once stop is closed, it reads whenever the token is
 //     free, until the connections end.
 type handover struct {

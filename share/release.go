@@ -35,7 +35,7 @@ func (im *Importer) sendReleaseLocked(seq uint64, after *relEvent) {
 	if after != nil {
 		ev = &after.h
 	}
-	im.sendFailed(im.conn.QueueRelease(context.Background(), ev, seq))
+	im.sendFailed(connQueueRelease(im.conn, context.Background(), ev, seq))
 	im.pending++
 	switch {
 	case im.rd.waiting.Load() > 0 || im.pending >= im.pushAt:
@@ -58,7 +58,7 @@ func (im *Importer) push() {
 func (im *Importer) pushLocked() {
 	if im.pending > 0 {
 		im.pending = 0
-		im.conn.Push()
+		connPush(im.conn)
 	}
 }
 

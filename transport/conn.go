@@ -70,8 +70,8 @@ type Conn struct {
 	handshaking bool
 	rd          readOp
 	watch       ctxWatch
-	intr        atomic.Bool // Interrupt: the next Recv to wait returns ErrInterrupted
-	try         bool        // in TryRecv: a read that would wait returns errWouldBlock
+	intr        atomic.Bool // Interrupt: the next Recv to wait returns errInterrupted
+	try         bool        // in tryRecv: a read that would wait returns errWouldBlock
 	// Shm mode (shm.go), under rmu: sbuf[sr:sw] is what the socket
 	// brought and no frame has taken yet, sockEnd how the socket ended
 	// (the lane is read to its end first), gap the last wait for the
@@ -83,17 +83,17 @@ type Conn struct {
 	gap     time.Duration
 	askShm  bool
 	shmGone bool // unmapped by Close; under rmu and shmMu
-	// A Poller's, if one watches the connection (poller.go): sockReady
+	// A poller's, if one watches the connection (poller.go): sockReady
 	// says the socket may have bytes (epoll said so, or the connection
-	// failed), so that TryRecv makes no system call for a socket that has
-	// none; pollFD is the socket's number in the Poller's epoll set.
-	poller    atomic.Pointer[Poller]
+	// failed), so that tryRecv makes no system call for a socket that has
+	// none; pollFD is the socket's number in the poller's epoll set.
+	polledBy  atomic.Pointer[poller]
 	sockReady atomic.Bool
 	pollFD    int32
 	// ended is set once this side's failure of the connection is
 	// complete: the peer told why, if it was to be, and the socket closed
 	// (or left open for what the peer sent before it went). A polled
-	// TryRecv reports the failure from then on, not before, so that a
+	// tryRecv reports the failure from then on, not before, so that a
 	// reader that ends the connection cannot close the socket under the
 	// error message still being written.
 	ended atomic.Bool
@@ -320,12 +320,12 @@ func (c *Conn) fail(err error, notify bool) error {
 }
 
 // endPolled marks this side's failure of the connection complete, and
-// wakes the Poller that watches it, if any: its next TryRecv reads what
+// wakes the poller that watches it, if any: its next tryRecv reads what
 // is left and says why it ended (the socket may have left the epoll set
 // without an event).
 func (c *Conn) endPolled() {
 	c.ended.Store(true)
-	if p := c.poller.Load(); p != nil {
+	if p := c.polledBy.Load(); p != nil {
 		c.sockReady.Store(true)
 		p.Wake()
 	}

@@ -682,8 +682,8 @@ func TestRecvContext(t *testing.T) {
 	}
 }
 
-// TestRecvInterrupt: Interrupt ends one wait of Recv, whether it waits
-// already or not yet, with ErrInterrupted, and leaves the connection, and
+// TestRecvInterrupt: interrupt ends one wait of Recv, whether it waits
+// already or not yet, with errInterrupted, and leaves the connection, and
 // its context's watch, working.
 func TestRecvInterrupt(t *testing.T) {
 	prod, cons := pair(t, testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil))
@@ -698,8 +698,8 @@ func TestRecvInterrupt(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	for _, c := range []context.Context{context.Background(), ctx, ctx} {
-		time.AfterFunc(30*time.Millisecond, cons.Interrupt)
-		if err := cons.Recv(c, &m); !errors.Is(err, ErrInterrupted) {
+		time.AfterFunc(30*time.Millisecond, cons.interrupt)
+		if err := cons.Recv(c, &m); !errors.Is(err, errInterrupted) {
 			t.Fatalf("Recv interrupted: %v", err)
 		}
 	}
@@ -708,9 +708,9 @@ func TestRecvInterrupt(t *testing.T) {
 		t.Fatalf("Recv whose context ends after an interrupt: %v", err)
 	}
 	// Before Recv waits: several interrupts end one wait, not more.
-	cons.Interrupt()
-	cons.Interrupt()
-	if err := cons.Recv(context.Background(), &m); !errors.Is(err, ErrInterrupted) {
+	cons.interrupt()
+	cons.interrupt()
+	if err := cons.Recv(context.Background(), &m); !errors.Is(err, errInterrupted) {
 		t.Fatalf("Recv after Interrupt: %v", err)
 	}
 	if err := short(); !errors.Is(err, context.DeadlineExceeded) {
@@ -723,17 +723,17 @@ func TestRecvInterrupt(t *testing.T) {
 	if err := prod.SendOffer(testCtx(t), &o); err != nil {
 		t.Fatal(err)
 	}
-	cons.Interrupt()
+	cons.interrupt()
 	err := cons.Recv(context.Background(), &m)
 	pending := err == nil
-	if errors.Is(err, ErrInterrupted) {
+	if errors.Is(err, errInterrupted) {
 		err = cons.Recv(context.Background(), &m)
 	}
 	if err != nil || m.Kind != KindOffer || m.Offer.Seq != o.Seq {
 		t.Fatalf("after an interrupt: %v seq %d, %v; want offer %d", m.Kind, m.Offer.Seq, err, o.Seq)
 	}
 	if pending {
-		if err := short(); !errors.Is(err, ErrInterrupted) {
+		if err := short(); !errors.Is(err, errInterrupted) {
 			t.Fatalf("the first wait after an interrupt that no Recv took: %v", err)
 		}
 	}
@@ -742,14 +742,14 @@ func TestRecvInterrupt(t *testing.T) {
 	}
 }
 
-// TestTryRecv: TryRecv takes what has arrived and reports false, at
+// TestTryRecv: tryRecv takes what has arrived and reports false, at
 // once, when nothing has; the connection then receives as before.
 func TestTryRecv(t *testing.T) {
 	prod, cons := pair(t, testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil))
 	ctx := testCtx(t)
 	var m Message
-	if ok, err := cons.TryRecv(&m); ok || err != nil {
-		t.Fatalf("TryRecv with nothing sent: %v %v", ok, err)
+	if ok, err := cons.tryRecv(&m); ok || err != nil {
+		t.Fatalf("tryRecv with nothing sent: %v %v", ok, err)
 	}
 	o := testOffer()
 	for i := range 3 {
@@ -766,19 +766,19 @@ func TestTryRecv(t *testing.T) {
 		t.Fatalf("Recv: %v seq %d, %v", m.Kind, m.Offer.Seq, err)
 	}
 	for want := uint64(2); want <= 3; want++ {
-		if ok, err := cons.TryRecv(&m); !ok || err != nil || m.Kind != KindOffer || m.Offer.Seq != want {
-			t.Fatalf("TryRecv of what has arrived: %v %v, %v seq %d; want offer %d", ok, err, m.Kind, m.Offer.Seq, want)
+		if ok, err := cons.tryRecv(&m); !ok || err != nil || m.Kind != KindOffer || m.Offer.Seq != want {
+			t.Fatalf("tryRecv of what has arrived: %v %v, %v seq %d; want offer %d", ok, err, m.Kind, m.Offer.Seq, want)
 		}
 	}
-	if ok, err := cons.TryRecv(&m); ok || err != nil {
-		t.Fatalf("TryRecv with everything taken: %v %v", ok, err)
+	if ok, err := cons.tryRecv(&m); ok || err != nil {
+		t.Fatalf("tryRecv with everything taken: %v %v", ok, err)
 	}
 	o.Seq = 4
 	if err := prod.SendOffer(ctx, &o); err != nil {
 		t.Fatal(err)
 	}
 	if err := cons.Recv(ctx, &m); err != nil || m.Offer.Seq != 4 {
-		t.Fatalf("Recv after TryRecv: %v seq %d, %v", m.Kind, m.Offer.Seq, err)
+		t.Fatalf("Recv after tryRecv: %v seq %d, %v", m.Kind, m.Offer.Seq, err)
 	}
 }
 

@@ -10,6 +10,13 @@
 // initial credits. The resulting Conn sends and receives the sharing
 // messages: offer, release, retire, closed, credit, goodbye, error.
 //
+// It exports what a Go program that speaks the protocol directly needs:
+// Dial and Listen, the Conn and its messages, the handshake's Peer, the
+// Config, and the errors. What only package share uses (one goroutine
+// polling many connections, taking back a waiting Recv, watching a peer's
+// process) stays unexported and reaches share through the module's
+// internal/transportx; share's users meet none of transport's types.
+//
 // # Hostile peers
 //
 // Everything received is checked before use. A frame's length is checked

@@ -57,9 +57,9 @@ var (
 	// ErrLimit: a peer exceeded a limit, such as too many connections or
 	// pending handshakes from one process.
 	ErrLimit = errors.New("transport: limit exceeded")
-	// ErrInterrupted: Conn.Interrupt woke the Recv that was waiting. It
+	// errInterrupted: Conn.interrupt woke the Recv that was waiting. It
 	// is not a failure: the connection stays usable.
-	ErrInterrupted = errors.New("transport: receive interrupted")
+	errInterrupted = errors.New("transport: receive interrupted")
 )
 
 // Error codes of the error message (PROTOCOL.md, "Error codes").

@@ -205,12 +205,12 @@ func removeStale(ctx context.Context, path string) error {
 // Addr returns the socket's path.
 func (l *Listener) Addr() string { return l.path }
 
-// PeerLogger returns Config.Logger as the listener writes to it: limited
+// peerLogger returns Config.Logger as the listener writes to it: limited
 // to a burst, then one record a second, counting what it held back
 // (ratelog.go). A user of the listener's connections logs there what
 // their peers cause, which comes as fast as peers connect. Once the
 // listener is closed, every record passes.
-func (l *Listener) PeerLogger() *slog.Logger { return l.cfg.Logger }
+func (l *Listener) peerLogger() *slog.Logger { return l.cfg.Logger }
 
 // Accept returns the next connection whose credentials and handshake
 // passed.

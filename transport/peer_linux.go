@@ -10,7 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// PeerHungUp reports whether the peer has closed its end of the
+// peerHungUp reports whether the peer has closed its end of the
 // connection (or shut down its writing), whether or not this side has read
 // everything it sent before. It asks the socket itself, with no read, so
 // it can be called while Recv waits in another goroutine.
@@ -19,7 +19,7 @@ import (
 // connection (the kernel closes a process's descriptors before its exit is
 // reported, so its end is already closed) from one that handed the
 // connection to another process and exited.
-func (c *Conn) PeerHungUp() bool {
+func (c *Conn) peerHungUp() bool {
 	hup := false
 	err := c.rc.Control(func(fd uintptr) {
 		fds := []unix.PollFd{{Fd: int32(fd), Events: unix.POLLRDHUP}}
@@ -36,7 +36,7 @@ func (c *Conn) PeerHungUp() bool {
 	return hup || err != nil
 }
 
-// PeerSocket returns the inode of the peer's socket: any process that has
+// peerSocket returns the inode of the peer's socket: any process that has
 // a descriptor of it ("socket:[inode]" in /proc/<pid>/fd) holds the other
 // end of this connection. It asks the kernel through sock_diag, which
 // needs the unix_diag module (what ss uses); the error says so when it is
@@ -44,7 +44,7 @@ func (c *Conn) PeerHungUp() bool {
 //
 // The share package uses it when a consumer's process exits with its
 // connection still open, to find the processes that took it over.
-func (c *Conn) PeerSocket() (uint64, error) {
+func (c *Conn) peerSocket() (uint64, error) {
 	var ino uint64
 	var serr error
 	err := c.rc.Control(func(fd uintptr) {

@@ -11,12 +11,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// TestPeerSocket: the inode PeerSocket names is the one the other side's
+// TestPeerSocket: the inode peerSocket names is the one the other side's
 // descriptor links to in /proc, so a scan of /proc finds who holds the
-// other end; and PeerHungUp turns true only once that end is closed.
+// other end; and peerHungUp turns true only once that end is closed.
 func TestPeerSocket(t *testing.T) {
 	p, c := pair(t, testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil))
-	ino, err := p.PeerSocket()
+	ino, err := p.peerSocket()
 	if errors.Is(err, unix.ENOENT) || errors.Is(err, unix.EPROTONOSUPPORT) {
 		t.Skipf("sock_diag for Unix sockets is not supported here: %v", err)
 	}
@@ -30,13 +30,13 @@ func TestPeerSocket(t *testing.T) {
 		t.Fatal(err)
 	}
 	if want := "socket:[" + strconv.FormatUint(ino, 10) + "]"; link != want {
-		t.Fatalf("PeerSocket says %s, the consumer's descriptor is %s", want, link)
+		t.Fatalf("peerSocket says %s, the consumer's descriptor is %s", want, link)
 	}
-	if p.PeerHungUp() {
-		t.Fatal("PeerHungUp with the consumer's end open")
+	if p.peerHungUp() {
+		t.Fatal("peerHungUp with the consumer's end open")
 	}
 	c.Close()
-	if !p.PeerHungUp() {
-		t.Fatal("PeerHungUp false after the consumer closed")
+	if !p.peerHungUp() {
+		t.Fatal("peerHungUp false after the consumer closed")
 	}
 }

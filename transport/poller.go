@@ -12,10 +12,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Poller lets one goroutine wait for messages on many connections: a
+// poller lets one goroutine wait for messages on many connections: a
 // producer reads every consumer with it, with no goroutine per connection
 // and no goroutine switch per message. The goroutine that polls takes
-// what has come with each connection's TryRecv, and calls Wait when none
+// what has come with each connection's tryRecv, and calls Wait when none
 // has anything. Wait looks at the connections' lanes, for up to their
 // ShmSpin, and then sleeps in one epoll_wait(2) on every socket (the
 // lanes' doorbells, the sockets' messages, errors and ends) and on Wake.
@@ -24,9 +24,9 @@ import (
 // reader that hands the polling over must order the handover itself, as a
 // mutex or channel does); Wake may be called from any goroutine. A
 // connection that fails or is closed by any goroutine wakes the poller, and
-// its next TryRecv returns why. Close the Poller after the connections are
+// its next tryRecv returns why. Close the poller after the connections are
 // removed or closed.
-type Poller struct {
+type poller struct {
 	epfd, evfd int
 	conns      []*Conn
 	byFD       map[int32]*Conn
@@ -43,10 +43,10 @@ type Poller struct {
 	closed          bool
 }
 
-// NewPoller returns an empty Poller. spin is how long Wait polls the
+// newPoller returns an empty poller. spin is how long Wait polls the
 // lanes before it sleeps, while messages come about that often (0: no
 // polling; Config.ShmSpin is the connections' own).
-func NewPoller(spin time.Duration) (*Poller, error) {
+func newPoller(spin time.Duration) (*poller, error) {
 	epfd, err := unix.EpollCreate1(unix.EPOLL_CLOEXEC)
 	if err != nil {
 		return nil, fmt.Errorf("transport: epoll_create1: %w", err)
@@ -62,16 +62,16 @@ func NewPoller(spin time.Duration) (*Poller, error) {
 		unix.Close(epfd)
 		return nil, fmt.Errorf("transport: epoll_ctl: %w", err)
 	}
-	return &Poller{epfd: epfd, evfd: evfd, byFD: make(map[int32]*Conn), events: make([]unix.EpollEvent, 64), spin: max(spin, 0)}, nil
+	return &poller{epfd: epfd, evfd: evfd, byFD: make(map[int32]*Conn), events: make([]unix.EpollEvent, 64), spin: max(spin, 0)}, nil
 }
 
-// Add watches c. A connection is watched by one Poller at most.
-func (p *Poller) Add(c *Conn) error {
+// Add watches c. A connection is watched by one poller at most.
+func (p *poller) Add(c *Conn) error {
 	if p.closed {
 		return ErrClosed
 	}
-	if c.poller.Load() != nil {
-		return errors.New("transport: Poller.Add: the connection is watched already")
+	if c.polledBy.Load() != nil {
+		return errors.New("transport: poller.Add: the connection is watched already")
 	}
 	var fd int32 = -1
 	var cerr error
@@ -85,8 +85,8 @@ func (p *Poller) Add(c *Conn) error {
 	if cerr != nil {
 		return fmt.Errorf("transport: epoll_ctl: %w", cerr)
 	}
-	c.poller.Store(p)
-	// What came before it was watched is read by the first TryRecv.
+	c.polledBy.Store(p)
+	// What came before it was watched is read by the first tryRecv.
 	c.sockReady.Store(true)
 	p.byFD[fd] = c
 	p.conns = append(p.conns, c)
@@ -101,8 +101,8 @@ func (p *Poller) Add(c *Conn) error {
 }
 
 // Remove stops watching c, which may be closed already.
-func (p *Poller) Remove(c *Conn) {
-	if c.poller.Load() != p {
+func (p *poller) Remove(c *Conn) {
+	if c.polledBy.Load() != p {
 		return
 	}
 	for i, x := range p.conns {
@@ -123,12 +123,12 @@ func (p *Poller) Remove(c *Conn) {
 		// may be another's now): only an open one is taken out.
 		c.rc.Control(func(f uintptr) { unix.EpollCtl(p.epfd, unix.EPOLL_CTL_DEL, int(f), nil) })
 	}
-	c.poller.Store(nil)
+	c.polledBy.Store(nil)
 }
 
 // Wake makes the Wait under way, or else the next one, return. It costs
 // two atomic operations unless Wait sleeps, and then one write(2).
-func (p *Poller) Wake() {
+func (p *poller) Wake() {
 	if p.woken.Swap(true) {
 		return // woken already, and not yet seen
 	}
@@ -138,13 +138,13 @@ func (p *Poller) Wake() {
 	}
 }
 
-// Wait returns when a watched connection may have a message (TryRecv
-// says), Wake is called, a partial frame's FrameTimeout passes (TryRecv
+// Wait returns when a watched connection may have a message (tryRecv
+// says), Wake is called, a partial frame's FrameTimeout passes (tryRecv
 // then fails it), or ctx ends (then with ctx's error). It may return with
 // nothing new. Like a level-triggered epoll, it does not sleep while a
 // connection whose socket was readable, or that failed, has not been read
-// by TryRecv since: a connection whose TryRecv failed must be removed.
-func (p *Poller) Wait(ctx context.Context) error {
+// by tryRecv since: a connection whose tryRecv failed must be removed.
+func (p *poller) Wait(ctx context.Context) error {
 	if p.closed {
 		return ErrClosed
 	}
@@ -180,9 +180,9 @@ func (p *Poller) Wait(ctx context.Context) error {
 		r, dl := c.armPoll()
 		armed++
 		// A socket epoll said was readable, or a connection that failed,
-		// that no TryRecv has taken since: its Wake may be spent (the
+		// that no tryRecv has taken since: its Wake may be spent (the
 		// caller's pass did not reach it), and a socket closed by this
-		// side left the epoll set with no event. TryRecv clears the mark
+		// side left the epoll set with no event. tryRecv clears the mark
 		// once it has read all there is.
 		ready = r || c.sockReady.Load()
 		if !dl.IsZero() && (deadline.IsZero() || dl.Before(deadline)) {
@@ -214,7 +214,7 @@ func (p *Poller) Wait(ctx context.Context) error {
 // likely one wait's (a broadcast's grace), and unwatched its cancel costs
 // no goroutine and no Wake. A context without one stays watched for the
 // next Wait, at no cost per Wait.
-func (p *Poller) unwatchShort(ctx context.Context) {
+func (p *poller) unwatchShort(ctx context.Context) {
 	if _, ok := ctx.Deadline(); ok && p.watchStop != nil {
 		p.watchStop()
 		p.watchStop, p.watchDone = nil, nil
@@ -223,7 +223,7 @@ func (p *Poller) unwatchShort(ctx context.Context) {
 
 // spinShm polls the lanes, yielding between looks, for up to spin; it
 // reports whether a lane has bytes or Wake was called.
-func (p *Poller) spinShm(start time.Time) bool {
+func (p *poller) spinShm(start time.Time) bool {
 	until := start.Add(p.spin)
 	for i := 1; ; i++ {
 		for _, c := range p.conns {
@@ -244,7 +244,7 @@ func (p *Poller) spinShm(start time.Time) bool {
 
 // epollWait sleeps until a socket is readable, Wake, or timeout
 // milliseconds (-1: none), and marks the sockets that are.
-func (p *Poller) epollWait(timeout int) error {
+func (p *poller) epollWait(timeout int) error {
 	for {
 		n, err := unix.EpollWait(p.epfd, p.events, timeout)
 		if err == unix.EINTR {
@@ -270,15 +270,15 @@ func (p *Poller) epollWait(timeout int) error {
 // Poll marks, without waiting, the sockets that have something to read:
 // a poller that never sleeps, because messages keep coming, calls it now
 // and then so that a shm connection's error or end is seen.
-func (p *Poller) Poll() error {
+func (p *poller) Poll() error {
 	if p.closed {
 		return ErrClosed
 	}
 	return p.epollWait(0)
 }
 
-// Close releases the Poller. Idempotent.
-func (p *Poller) Close() error {
+// Close releases the poller. Idempotent.
+func (p *poller) Close() error {
 	if p.closed {
 		return nil
 	}
@@ -287,7 +287,7 @@ func (p *Poller) Close() error {
 		p.watchStop()
 	}
 	for _, c := range p.conns {
-		c.poller.Store(nil)
+		c.polledBy.Store(nil)
 	}
 	p.conns = nil
 	unix.Close(p.evfd)

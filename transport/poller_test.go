@@ -14,11 +14,11 @@ import (
 	"time"
 )
 
-// pollAll is a producer's reading loop over a Poller: it takes what every
+// pollAll is a producer's reading loop over a poller: it takes what every
 // connection has, and waits when none has anything, until done says so.
 // It returns the messages taken per connection and how each ended (nil:
 // it has not).
-func pollAll(t *testing.T, p *Poller, conns []*Conn, done func(got []int, ended []error) bool) (got []int, ended []error) {
+func pollAll(t *testing.T, p *poller, conns []*Conn, done func(got []int, ended []error) bool) (got []int, ended []error) {
 	t.Helper()
 	ctx := testCtx(t)
 	got = make([]int, len(conns))
@@ -30,7 +30,7 @@ func pollAll(t *testing.T, p *Poller, conns []*Conn, done func(got []int, ended 
 				continue
 			}
 			for {
-				ok, err := c.TryRecv(&m)
+				ok, err := c.tryRecv(&m)
 				if err != nil {
 					ended[i] = err
 					p.Remove(c)
@@ -53,10 +53,10 @@ func pollAll(t *testing.T, p *Poller, conns []*Conn, done func(got []int, ended 
 }
 
 // TestPollerReadsEveryConn: one goroutine reads many consumers through a
-// Poller, on lanes and on sockets: every release comes, whenever each
+// poller, on lanes and on sockets: every release comes, whenever each
 // consumer sends it (at once, or after it slept long enough for the
 // reader to sleep too); then consumers that close, with a goodbye or
-// without, end their connection's TryRecv with the right error.
+// without, end their connection's tryRecv with the right error.
 func TestPollerReadsEveryConn(t *testing.T) {
 	for _, shm := range []bool{true, false} {
 		t.Run(fmt.Sprintf("shm=%v", shm), func(t *testing.T) {
@@ -67,7 +67,7 @@ func TestPollerReadsEveryConn(t *testing.T) {
 			ccfg.Credits = 4
 			l := listen(t, pcfg)
 			ctx := testCtx(t)
-			p, err := NewPoller(50 * time.Microsecond)
+			p, err := newPoller(50 * time.Microsecond)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -118,7 +118,7 @@ func TestPollerReadsEveryConn(t *testing.T) {
 				}()
 			}
 			// The producer offers per times to each, within its credits,
-			// reading the releases through the Poller alone.
+			// reading the releases through the poller alone.
 			o := testOffer()
 			sent := make([]int, n)
 			got := make([]int, n)
@@ -136,7 +136,7 @@ func TestPollerReadsEveryConn(t *testing.T) {
 				progressed := false
 				for i, c := range prods {
 					for {
-						ok, err := c.TryRecv(&m)
+						ok, err := c.tryRecv(&m)
 						if err != nil {
 							t.Fatalf("conn %d: %v", i, err)
 						}
@@ -192,11 +192,11 @@ func TestPollerReadsEveryConn(t *testing.T) {
 
 // TestPollerWake: Wait returns for Wake, from any goroutine, and when its
 // context ends; a Wake before Wait is not lost; a connection closed by
-// another goroutine while the reader sleeps wakes it, and its TryRecv says
+// another goroutine while the reader sleeps wakes it, and its tryRecv says
 // it is closed.
 func TestPollerWake(t *testing.T) {
 	checkNoFDLeak(t)
-	p, err := NewPoller(0)
+	p, err := newPoller(0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -235,13 +235,13 @@ func TestPollerWake(t *testing.T) {
 	}()
 	_, ended := pollAll(t, p, []*Conn{prod}, func(_ []int, ended []error) bool { return ended[0] != nil })
 	if !errors.Is(ended[0], ErrClosed) {
-		t.Fatalf("TryRecv of a connection closed under the Poller: %v, want ErrClosed", ended[0])
+		t.Fatalf("tryRecv of a connection closed under the poller: %v, want ErrClosed", ended[0])
 	}
 }
 
 // TestPollerFrameTimeout: a peer that sends half a frame and stops is
 // failed once FrameTimeout has passed, as a Recv would fail it, although
-// nothing more ever arrives to wake the Poller.
+// nothing more ever arrives to wake the poller.
 func TestPollerFrameTimeout(t *testing.T) {
 	cfg := testConfig(RoleProducer, nil)
 	cfg.DisableShm = true
@@ -255,7 +255,7 @@ func TestPollerFrameTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer prod.Close()
-	p, err := NewPoller(0)
+	p, err := newPoller(0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -266,7 +266,7 @@ func TestPollerFrameTimeout(t *testing.T) {
 	raw.write([]byte{0, 0, 0, 10, 0x93})
 	_, ended := pollAll(t, p, []*Conn{prod}, func(_ []int, ended []error) bool { return ended[0] != nil })
 	if !errors.Is(ended[0], ErrTimeout) {
-		t.Fatalf("half a frame under the Poller: %v, want ErrTimeout", ended[0])
+		t.Fatalf("half a frame under the poller: %v, want ErrTimeout", ended[0])
 	}
 }
 
@@ -282,7 +282,7 @@ func TestPollerWaitsNotOnAClosedConnUnread(t *testing.T) {
 		t.Run(fmt.Sprintf("shm=%v", shm), func(t *testing.T) {
 			pcfg, ccfg := testConfig(RoleProducer, nil), testConfig(RoleConsumer, nil)
 			pcfg.DisableShm, ccfg.DisableShm = !shm, !shm
-			p, err := NewPoller(0)
+			p, err := newPoller(0)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -297,8 +297,8 @@ func TestPollerWaitsNotOnAClosedConnUnread(t *testing.T) {
 			// Both are read to their (empty) present.
 			var m Message
 			for _, c := range []*Conn{a, b} {
-				if ok, err := c.TryRecv(&m); ok || err != nil {
-					t.Fatalf("TryRecv of an idle connection: %v, %v", ok, err)
+				if ok, err := c.tryRecv(&m); ok || err != nil {
+					t.Fatalf("tryRecv of an idle connection: %v, %v", ok, err)
 				}
 			}
 			a.Close()
@@ -308,8 +308,8 @@ func TestPollerWaitsNotOnAClosedConnUnread(t *testing.T) {
 				t.Fatalf("Wait after the closes: %v", err)
 			}
 			// The pass after it takes a's end only.
-			if _, err := a.TryRecv(&m); !errors.Is(err, ErrClosed) {
-				t.Fatalf("TryRecv of a closed connection: %v, want ErrClosed", err)
+			if _, err := a.tryRecv(&m); !errors.Is(err, ErrClosed) {
+				t.Fatalf("tryRecv of a closed connection: %v, want ErrClosed", err)
 			}
 			p.Remove(a)
 			// b's end is still to be taken: Wait returns (the watchdog
@@ -319,8 +319,8 @@ func TestPollerWaitsNotOnAClosedConnUnread(t *testing.T) {
 			if err := p.Wait(wctx); err != nil {
 				t.Fatalf("Wait with a closed connection unread: %v, want nil (it slept)", err)
 			}
-			if _, err := b.TryRecv(&m); !errors.Is(err, ErrClosed) {
-				t.Fatalf("TryRecv of a closed connection: %v, want ErrClosed", err)
+			if _, err := b.tryRecv(&m); !errors.Is(err, ErrClosed) {
+				t.Fatalf("tryRecv of a closed connection: %v, want ErrClosed", err)
 			}
 		})
 	}
@@ -328,7 +328,7 @@ func TestPollerWaitsNotOnAClosedConnUnread(t *testing.T) {
 
 // TestPollerKickToldWhy: a connection failed with a reason by another
 // goroutine (a producer's lease janitor) while a reader polls it, and the
-// reader closes it as soon as its TryRecv fails (as a producer does when a
+// reader closes it as soon as its tryRecv fails (as a producer does when a
 // consumer ends): the peer is still told why, every time. The reader must
 // not see the failure before the error message is written.
 func TestPollerKickToldWhy(t *testing.T) {
@@ -338,7 +338,7 @@ func TestPollerKickToldWhy(t *testing.T) {
 			pcfg.DisableShm, ccfg.DisableShm = !shm, !shm
 			l := listen(t, pcfg)
 			ctx := testCtx(t)
-			p, err := NewPoller(0)
+			p, err := newPoller(0)
 			if err != nil {
 				t.Fatal(err)
 			}

@@ -64,11 +64,11 @@ func (c *Conn) Recv(ctx context.Context, m *Message) error {
 	return c.recvLocked(ctx, m)
 }
 
-// TryRecv is Recv that never waits: it reports false, and receives
+// tryRecv is Recv that never waits: it reports false, and receives
 // nothing, when the next message has not arrived whole. A reader that has
 // a message in hand uses it to take what else has come, for others,
 // without sleeping on the socket.
-func (c *Conn) TryRecv(m *Message) (bool, error) {
+func (c *Conn) tryRecv(m *Message) (bool, error) {
 	c.rmu.Lock()
 	defer c.rmu.Unlock()
 	c.try = true
@@ -80,7 +80,7 @@ func (c *Conn) TryRecv(m *Message) (bool, error) {
 	return err == nil, err
 }
 
-// errWouldBlock is what a read in TryRecv returns instead of waiting.
+// errWouldBlock is what a read in tryRecv returns instead of waiting.
 var errWouldBlock = errors.New("transport: would block")
 
 func (c *Conn) recvLocked(ctx context.Context, m *Message) error {
@@ -98,7 +98,7 @@ func (c *Conn) recvLocked(ctx context.Context, m *Message) error {
 		if ctx.Err() != nil && (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) {
 			return err
 		}
-		if err == ErrInterrupted || err == errWouldBlock {
+		if err == errInterrupted || err == errWouldBlock {
 			return err
 		}
 		return c.recvFailed(err)
@@ -106,14 +106,14 @@ func (c *Conn) recvLocked(ctx context.Context, m *Message) error {
 	return nil
 }
 
-// Interrupt makes the Recv that waits now for the peer, or else the next
-// one that has to wait, return ErrInterrupted; the connection stays
+// interrupt makes the Recv that waits now for the peer, or else the next
+// one that has to wait, return errInterrupted; the connection stays
 // usable, and what was received is kept for the next Recv. A receiver
 // that shares the connection's reading with others (share.Importer's Next
 // and its background reader) uses it to take back a Recv that would
 // otherwise wait for the peer's next message. Interrupts do not
 // accumulate: several before a Recv waits end one wait.
-func (c *Conn) Interrupt() {
+func (c *Conn) interrupt() {
 	// The flag first, then the deadline: a Recv that checks the flag
 	// (armWait) before it is set finds the deadline in the past when it
 	// reads, whatever deadline it set itself.
@@ -185,10 +185,10 @@ func (c *Conn) fill(ctx context.Context, avail int) error {
 		if err := c.tryWait(avail); err != nil {
 			return err
 		}
-		polled := c.poller.Load() != nil
+		polled := c.polledBy.Load() != nil
 		failed := polled && c.ended.Load()
 		if polled && !failed && !c.sockReady.Load() {
-			return errWouldBlock // the Poller has not seen the socket readable
+			return errWouldBlock // the poller has not seen the socket readable
 		}
 		n, end, err = c.readSocketNow(c.rbuf[c.w:])
 		if err == errWouldBlock {
@@ -214,7 +214,7 @@ func (c *Conn) fill(ctx context.Context, avail int) error {
 	return nil
 }
 
-// tryWait is what TryRecv does instead of waiting for the rest of a
+// tryWait is what tryRecv does instead of waiting for the rest of a
 // partial frame (avail bytes of it buffered): the frame must still come
 // whole within FrameTimeout of its first wait, as Recv's would.
 func (c *Conn) tryWait(avail int) error {
@@ -279,7 +279,7 @@ func (c *Conn) armWait(ctx context.Context, avail int) error {
 	return nil
 }
 
-// interrupted takes an Interrupt: the flag is consumed, and the deadline
+// interrupted takes an interrupt: the flag is consumed, and the deadline
 // it set in the past gives way to the frame's, unless the watched context
 // has ended and wants it in the past too.
 func (c *Conn) interrupted() error {
@@ -294,7 +294,7 @@ func (c *Conn) interrupted() error {
 	if err := c.nc.SetReadDeadline(dl); err != nil {
 		return c.failure()
 	}
-	return ErrInterrupted
+	return errInterrupted
 }
 
 // How the socket ended, once read: end of stream, or reset.
@@ -334,7 +334,7 @@ func (c *Conn) readSocket(ctx context.Context, p []byte, avail int) (n, end int,
 	return c.took()
 }
 
-// readSocketNow is readSocket for TryRecv: what the socket has, or
+// readSocketNow is readSocket for tryRecv: what the socket has, or
 // errWouldBlock. Control, not Read: no deadline applies to what has
 // arrived already.
 func (c *Conn) readSocketNow(p []byte) (n, end int, err error) {

@@ -79,21 +79,21 @@ func (c *Conn) SendReleaseAfter(ctx context.Context, ev Handle, seqs ...uint64) 
 	return c.sendRelease(ctx, &ev, seqs)
 }
 
-// QueueRelease queues the release of seqs, after the event ev if not nil
+// queueReleaseLater queues the release of seqs, after the event ev if not nil
 // (as SendReleaseAfter), without writing it: it leaves with the next
-// message sent, or at Push. A consumer that releases leases one by one
+// message sent, or at push. A consumer that releases leases one by one
 // while more offers are arriving sends many in one write this way; it must
-// Push before it waits for anything from the producer, and soon in any
+// push before it waits for anything from the producer, and soon in any
 // case (the producer's lease deadline counts until the release arrives).
-func (c *Conn) QueueRelease(ctx context.Context, ev *Handle, seqs ...uint64) error {
+func (c *Conn) queueReleaseLater(ctx context.Context, ev *Handle, seqs ...uint64) error {
 	if ev != nil && c.peer.Caps&CapReleaseEvents == 0 {
 		return fmt.Errorf("%w: %s does not take release events", ErrNotSupported, c.desc)
 	}
 	return c.queueRelease(ctx, ev, seqs, true)
 }
 
-// Push writes what QueueRelease left queued, as a send would.
-func (c *Conn) Push() {
+// push writes what queueReleaseLater left queued, as a send would.
+func (c *Conn) push() {
 	c.mu.Lock()
 	if len(c.out) == 0 || c.err != nil {
 		c.mu.Unlock()
@@ -187,7 +187,7 @@ func (c *Conn) may(k Kind) error {
 // Flush waits, within ctx, until every message queued before the call has
 // been written to the socket.
 func (c *Conn) Flush(ctx context.Context) error {
-	c.Push()
+	c.push()
 	c.mu.Lock()
 	target := c.queued
 	for {

@@ -501,10 +501,10 @@ func TestShmOneCredit(t *testing.T) {
 		if m.Kind != KindOffer || m.Offer.Seq != uint64(i+1) {
 			t.Fatalf("got %v seq %d, want offer %d", m.Kind, m.Offer.Seq, i+1)
 		}
-		if err := cons.QueueRelease(ctx, nil, m.Offer.Seq); err != nil {
+		if err := cons.queueReleaseLater(ctx, nil, m.Offer.Seq); err != nil {
 			t.Fatal(err)
 		}
-		cons.Push()
+		cons.push()
 	}
 	select {
 	case err := <-errs:

@@ -50,7 +50,7 @@ func (c *Conn) fillShm(ctx context.Context, avail int) error {
 			return c.endErr(avail, c.sockEnd)
 		}
 		if c.try {
-			if c.poller.Load() != nil {
+			if c.polledBy.Load() != nil {
 				failed := c.ended.Load()
 				if c.sockReady.Swap(false) || failed {
 					// The socket has doorbells, an error or its end: take

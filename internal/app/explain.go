@@ -48,7 +48,7 @@ func explainListen(path string, err error) error {
 	switch {
 	case errors.Is(err, syscall.EADDRINUSE):
 		return fail(ExitSocket, err, "another producer is already listening on %s: stop it, or give this one another -socket", path)
-	case errors.Is(err, transport.ErrUnsafePath):
+	case errors.Is(err, share.ErrUnsafePath):
 		// The transport refuses two things under one error: an unsafe
 		// directory, and something other than a socket at the path itself.
 		// Only the second is visible here without parsing its message.
@@ -75,19 +75,19 @@ func explainDial(path string, err error) error {
 		return fail(ExitRefused, err, "cannot reach %s: permission denied; it belongs to uid %d, and cudashare only connects processes of the same user: run the consumer as that user", path, ownerOf(path))
 	case refusedForLimit(err):
 		return fail(ExitRefused, err, "the producer at %s refused the connection for a limit: %s; close idle connections, or retry later", path, remoteText(err))
-	case errors.Is(err, transport.ErrPeerRefused) && isRemote(err):
+	case errors.Is(err, share.ErrPeerRefused) && isRemote(err):
 		return fail(ExitRefused, err, "the producer at %s refused this user (uid %d): by default a producer only accepts consumers of its own user", path, os.Geteuid())
-	case errors.Is(err, transport.ErrPeerRefused):
+	case errors.Is(err, share.ErrPeerRefused):
 		// Refused here, by this consumer's own credential check: the
 		// listener runs as another user, who could read what we map.
 		return fail(ExitRefused, err, "this consumer refused the process listening at %s: it runs as another user (the socket belongs to uid %d, this consumer is uid %d), and cudashare only connects processes of the same user", path, ownerOf(path), os.Geteuid())
-	case errors.Is(err, transport.ErrVersion):
+	case errors.Is(err, share.ErrVersion):
 		return fail(ExitRefused, err, "the producer at %s speaks another version of the cudashare protocol than this consumer (version %d): use the same cudashare release on both sides", path, transport.Version)
-	case errors.Is(err, transport.ErrHandshake) && isRemote(err):
+	case errors.Is(err, share.ErrHandshake) && isRemote(err):
 		return fail(ExitRefused, err, "the producer at %s refused the handshake", path)
-	case errors.Is(err, transport.ErrHandshake):
+	case errors.Is(err, share.ErrHandshake):
 		return fail(ExitRefused, err, "the process at %s did not complete the cudashare handshake: it is not a cudashare producer, or it is too busy to answer", path)
-	case errors.Is(err, transport.ErrDisconnected), errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE):
+	case errors.Is(err, share.ErrDisconnected), errors.Is(err, syscall.ECONNRESET), errors.Is(err, syscall.EPIPE):
 		return fail(ExitSocket, err, "the process at %s hung up during the handshake without a word: it is not a working cudashare producer, or it is overloaded (out of file descriptors)", path)
 	case protocolBroken(err):
 		// Something answered and broke the protocol (a malformed
@@ -152,22 +152,22 @@ func dialRetryable(err error) bool {
 // an offer, so from Offer or Broadcast it means that the exporter (or its
 // driver context) was closed, and offering again would spin.
 func consumerGone(err error) bool {
-	return errors.Is(err, transport.ErrDisconnected) || errors.Is(err, transport.ErrWriteTimeout) ||
-		errors.Is(err, transport.ErrRemote) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
+	return errors.Is(err, share.ErrDisconnected) || errors.Is(err, share.ErrWriteTimeout) ||
+		errors.Is(err, share.ErrRemote) || errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
 }
 
 // droppedForTimeout reports whether the producer ended the connection
 // because this consumer held something past one of its deadlines (a lease
 // past the lease timeout, its mappings past a shutdown, half a frame).
-func droppedForTimeout(err error) bool { return isRemote(err) && errors.Is(err, transport.ErrTimeout) }
+func droppedForTimeout(err error) bool { return isRemote(err) && errors.Is(err, share.ErrTimeout) }
 
 // refusedForLimit reports whether the producer refused the connection
 // because this peer has too many connections or handshakes in progress.
-func refusedForLimit(err error) bool { return isRemote(err) && errors.Is(err, transport.ErrLimit) }
+func refusedForLimit(err error) bool { return isRemote(err) && errors.Is(err, share.ErrLimit) }
 
 // remoteText is the text of the producer's error message in err.
 func remoteText(err error) string {
-	var re *transport.RemoteError
+	var re *share.RemoteError
 	if errors.As(err, &re) {
 		return re.Message
 	}
@@ -177,7 +177,7 @@ func remoteText(err error) string {
 // remoteCode is the code of the error message the producer sent, or -1 if
 // err is a failure found on this side.
 func remoteCode(err error) int64 {
-	var re *transport.RemoteError
+	var re *share.RemoteError
 	if errors.As(err, &re) {
 		return int64(re.Code)
 	}
@@ -195,8 +195,8 @@ func protocolBroken(err error) bool {
 	if isRemote(err) {
 		return false
 	}
-	for _, s := range []error{transport.ErrMalformed, transport.ErrUnknownMessage, transport.ErrUnexpectedMessage,
-		transport.ErrFrameTooLarge, transport.ErrCredit, transport.ErrNotSupported} {
+	for _, s := range []error{share.ErrMalformed, share.ErrUnknownMessage, share.ErrUnexpectedMessage,
+		share.ErrFrameTooLarge, share.ErrCredit, share.ErrNotSupported} {
 		if errors.Is(err, s) {
 			return true
 		}
@@ -220,7 +220,7 @@ func explainEnd(path string, err error, batches uint64) (end string, _ error) {
 		return "dropped", fail(ExitDropped, err, "the producer at %s dropped this consumer with an error after %d batches", path, batches)
 	case protocolBroken(err):
 		return "protocol error", fail(ExitFailure, err, "the producer at %s sent a message this consumer cannot accept (malformed, or outside the protocol) after %d batches: a bug in the producer, or not a cudashare producer; this consumer hung up", path, batches)
-	case errors.Is(err, transport.ErrWriteTimeout):
+	case errors.Is(err, share.ErrWriteTimeout):
 		return "producer stopped reading", fail(ExitProducerGone, err, "the producer at %s stopped reading this consumer's messages for longer than -write-timeout after %d batches (stopped or stuck); this consumer gave up", path, batches)
 	case errors.Is(err, share.ErrIPCNamespace):
 		return "error", fail(ExitFailure, err, "the producer at %s shares its buffers with legacy CUDA IPC, and legacy CUDA IPC handles do not open between processes in sibling PID namespaces (separate containers): CUDA_ERROR_INVALID_CONTEXT; run the producer with -sharing vmm (or CUDASHARE_SHARING=vmm), whose file descriptors cross PID namespaces", path)
