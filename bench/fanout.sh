@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench/fanout.sh: how the producer's cost per handoff grows with consumers.
-# One producer lends a ring of 64 x 1 MiB (the handoff alone: -fill=false,
+# One producer offers a ring of 64 x 1 MiB (the handoff alone: -fill=false,
 # consumers -verify none -credits 8 -workers 1) to N consumer processes; then
 # the same with -broadcast (every batch to every consumer); then, with several
 # GPUs, one producer per GPU each serving one consumer on every GPU. On the GPU

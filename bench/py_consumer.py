@@ -126,7 +126,7 @@ def main():
     want_sum = 0
     use_array = a.view == "array"
     not_in_place = 0
-    tensors = set()  # --view array: the distinct tensors it handed out (one per ring buffer)
+    tensors = set()  # --view array: the distinct tensors it made (one per ring buffer)
     lat = []
     n = 0
     t0 = t1 = None

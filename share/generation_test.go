@@ -53,7 +53,7 @@ func TestGenerationGrowsOnReuse(t *testing.T) {
 		o := &m.Offer
 		k := [2]uint64{o.AllocID, o.Offset}
 		if last, ok := seen[k]; ok && o.Generation <= last {
-			t.Errorf("%s: allocation %d offset %d lent again with generation %d, after %d", what, o.AllocID, o.Offset, o.Generation, last)
+			t.Errorf("%s: allocation %d offset %d offered again with generation %d, after %d", what, o.AllocID, o.Offset, o.Generation, last)
 		}
 		if o.Generation == 0 {
 			t.Errorf("%s: generation 0, want from 1", what)

@@ -21,6 +21,6 @@ func TestHelloAckDevices(t *testing.T) {
 	conn := dialIn(t, e, 1, false)
 	defer conn.Close()
 	if got, want := conn.Peer().Devices, []transport.UUID{env.Ctx.Device().UUID()}; !slices.Equal(got, want) {
-		t.Fatalf("hello-ack devices %v, want %v (the device lent from)", got, want)
+		t.Fatalf("hello-ack devices %v, want %v (the device offered from)", got, want)
 	}
 }

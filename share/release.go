@@ -74,7 +74,7 @@ func (im *Importer) sendFailed(err error) {
 	}
 }
 
-// releaseLocked ends a lease handed out by Next; after, if not nil, is the
+// releaseLocked ends a lease returned by Next; after, if not nil, is the
 // event recorded after the lease's last use on the GPU. mu held.
 func (im *Importer) releaseLocked(a *impAlloc, seq uint64, after *relEvent) {
 	im.unholdLocked()

@@ -248,7 +248,7 @@ func rawConsumer(ce *ChildEnv) error {
 }
 
 // grabber connects ParamCount times, each time waiting briefly for one
-// offer and hanging up without a goodbye or a release: what it was lent
+// offer and hanging up without a goodbye or a release: what it was offered
 // stays leased while it lives, as it may map it. It prints GRABBED n (the
 // offers it got), then waits for "exit".
 func grabber(ce *ChildEnv) error {

@@ -153,7 +153,7 @@ class Reader:
             if self._end is None:
                 self._end = err
                 if not isinstance(err, Closed):
-                    # next() hands out nothing queued after such an end:
+                    # next() returns nothing queued after such an end:
                     # those offers are void with the connection, not
                     # leases the application leaked.
                     for l in self._queue:
@@ -235,7 +235,7 @@ class Reader:
             if self._bye_sent or self._ended_badly():
                 # Void: this consumer said goodbye, or the connection ended
                 # (a write failed, in another thread) while the reader read
-                # on: not a lease to hand out, nor one to report leaked.
+                # on: not a lease to return from next(), nor one to report leaked.
                 return
             if o.handle_kind not in (wire.HANDLE_IPC, wire.HANDLE_VMM):
                 raise ProtocolError(errors.NOT_SUPPORTED, "offer of handle kind %d, which this consumer does not import" % o.handle_kind)
