@@ -32,7 +32,7 @@ func TestConsumerErrorLogged(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer e.Close()
-	conn, m := lendOne(t, e)
+	conn, m := offerOne(t, e)
 	defer conn.Close()
 	// What the Go consumer does when an import fails: release, then say
 	// why (here it ends the connection with it, as the Python one does).
@@ -71,7 +71,7 @@ func TestUnopenableReleaseEvent(t *testing.T) {
 	ctx := sharetest.Ctx(t)
 	e := newExporterWith(t, env, share.ExporterConfig{})
 	defer e.Close() // before the leak check dialIn arms
-	conn, m := lendOne(t, e)
+	conn, m := offerOne(t, e)
 	defer conn.Close()
 	var bogus transport.Handle
 	for i := range bogus {
@@ -94,10 +94,10 @@ func TestUnopenableReleaseEvent(t *testing.T) {
 	waitUntil(t, "the consumer dropped", func() bool { return e.Stats().ConsumersDropped == 1 })
 }
 
-// lendOne connects a raw consumer with one credit to e, offers it one
+// offerOne connects a raw consumer with one credit to e, offers it one
 // buffer of a new ring and returns the connection and the offer it
 // received (its descriptors closed).
-func lendOne(t *testing.T, e *share.Exporter) (*transport.Conn, transport.Message) {
+func offerOne(t *testing.T, e *share.Exporter) (*transport.Conn, transport.Message) {
 	t.Helper()
 	ctx := sharetest.Ctx(t)
 	r, err := e.NewRing(1, 256)

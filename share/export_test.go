@@ -37,26 +37,26 @@ func (p *RegistryProbe) Acquire(dctx *driver.Context, allocID, allocSize uint64)
 // Release drops one hold.
 func (p *RegistryProbe) Release() error { return p.r.release(p.e) }
 
-// LendToClosedConsumer closes, on this side, the connection of the
-// consumer that Offer would pick next and lends b to it as Offer does: the
+// OfferToClosedConsumer closes, on this side, the connection of the
+// consumer that Offer would pick next and offers b to it as Offer does: the
 // race of a consumer's connection closing under a send, made certain (the
 // lock held from the pick to the send keeps the consumer's receive loop
 // from dropping it first). With why, the connection fails with it instead,
 // as when the exporter drops the consumer (kick) while an offer to it is
 // being sent: the send then returns why.
-func LendToClosedConsumer(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, why error) (lent bool, err error) {
+func OfferToClosedConsumer(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, why error) (offered bool, err error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	c := e.pickLocked()
 	if c == nil {
-		return false, errors.New("no consumer to lend to")
+		return false, errors.New("no consumer to offer to")
 	}
 	if why != nil {
 		c.conn.CloseWithError(why)
 	} else {
 		c.conn.Close()
 	}
-	return e.lendLocked(ctx, c, b, &opts, true)
+	return e.offerToLocked(ctx, c, b, &opts, true)
 }
 
 // TransportDropThenKick replays the lease janitor's (and Shutdown's)
@@ -83,15 +83,15 @@ func TransportDropThenKick(e *Exporter, transportWhy, kickWhy error) bool {
 	return true
 }
 
-// LendToConsumerLostDuringSend lends b, as Offer does, to the consumer
+// OfferToConsumerLostDuringSend offers b, as Offer does, to the consumer
 // Offer would pick next, and loses that consumer while the offer is being
 // sent: its connection is closed and the exporter has handled the loss
 // (onGone) before the send starts (delivered false: the send then fails)
 // or after it returned (delivered true: the offer went out). It restores
 // the hooks before returning.
-func LendToConsumerLostDuringSend(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool) (lent bool, err error) {
-	lent, _, err = lendLosing(ctx, e, b, opts, delivered, nil)
-	return lent, err
+func OfferToConsumerLostDuringSend(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool) (offered bool, err error) {
+	offered, _, err = offerLosing(ctx, e, b, opts, delivered, nil)
+	return offered, err
 }
 
 // ExpireLeases runs the lease deadline as if the lease timeout had passed
@@ -116,7 +116,7 @@ func LeasesOf(e *Exporter, pid int) int {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	n := 0
-	for _, c := range e.lend.consumers {
+	for _, c := range e.policy.consumers {
 		if int(c.peer.PID) == pid {
 			n += int(c.out)
 		}
@@ -131,16 +131,16 @@ func CheckLeaseCounts(e *Exporter) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	var nc, rel int
-	for _, c := range e.lend.consumers {
+	for _, c := range e.policy.consumers {
 		if c.released {
 			rel += int(c.out)
 		} else {
 			nc += int(c.out)
 		}
 	}
-	if nc != e.lend.newcomerOut || rel != e.lend.releasedOut {
+	if nc != e.policy.newcomerOut || rel != e.policy.releasedOut {
 		return fmt.Errorf("the exporter counts %d leases held by newcomers and %d by consumers that have released; its consumers hold %d and %d",
-			e.lend.newcomerOut, e.lend.releasedOut, nc, rel)
+			e.policy.newcomerOut, e.policy.releasedOut, nc, rel)
 	}
 	return nil
 }

@@ -66,7 +66,7 @@ type ExporterStats struct {
 	// ReleaseEventsOpened counts consumers' release events opened from
 	// their handles: each once per consumer, however many releases carry it.
 	ReleaseEventsOpened uint64
-	BytesOffered        uint64 // bytes lent by those offers
+	BytesOffered        uint64 // bytes offered by those offers
 	Leases              int    // leases outstanding now
 	Retired             uint64 // allocations retired (and freed, if the exporter allocated them)
 	Allocations         int    // allocations known now: registered, rings and arenas
@@ -99,7 +99,7 @@ type ExporterStats struct {
 }
 
 // Exporter is the producer side: it listens on a Unix socket, accepts
-// consumers in the background, and lends them device buffers of one
+// consumers in the background, and offers them device buffers of one
 // context. See the package documentation for the guarantees.
 //
 // Its state comes in parts, each with one owner (a reader following one
@@ -110,7 +110,7 @@ type ExporterStats struct {
 //     path), retire.go (the end of an allocation's life); Exporter.mu;
 //   - the consumers admitted (conns, consumer): exporter_consumer.go,
 //     procwatch.go, and exporter_consumer_gone.go for their end; mu;
-//   - who takes the next offer (lending): lend_policy.go; mu;
+//   - who takes the next offer (offerPolicy): offer_policy.go; mu;
 //   - the offer itself, from reservation to the wire and the settling of
 //     its send: offer.go (the send runs without mu);
 //   - the consumers' messages: exporter_read.go, by whoever holds the
@@ -162,8 +162,8 @@ type Exporter struct {
 	mu         sync.Mutex
 	closing    bool                   // no more offers or buffers
 	conns      map[*consumer]struct{} // every consumer not yet dropped
-	lend       lending                // who takes the next offer (lend_policy.go)
-	recs       allocTable             // the allocations lent from (exporter.go, retire.go)
+	policy     offerPolicy            // who takes the next offer (offer_policy.go)
+	recs       allocTable             // the allocations offered from (exporter.go, retire.go)
 	clock      leaseClock             // lease_clock.go
 	eventPool  []*expEvent
 	pids       map[int]*procWatch      // the watch of each consumer process
@@ -183,7 +183,7 @@ type readPass struct {
 	taken    uint64
 }
 
-// allocTable is every allocation the exporter lends from, by id and, for
+// allocTable is every allocation the exporter offers from, by id and, for
 // registered memory, by base address. Exporter.mu.
 type allocTable struct {
 	lastID uint64 // ids are never reused by this process
@@ -201,7 +201,7 @@ const (
 	recFreed
 )
 
-// allocRec is one device allocation the exporter lends from. Fields after
+// allocRec is one device allocation the exporter offers from. Fields after
 // handle are guarded by Exporter.mu.
 type allocRec struct {
 	id     uint64 // never reused by this process
@@ -215,7 +215,7 @@ type allocRec struct {
 	ring   *Ring
 	arena  *Arena
 	// offers counts the offers of the allocation, whatever its buffer:
-	// each one's generation, so that a range lent again, an arena's
+	// each one's generation, so that a range offered again, an arena's
 	// offset reused by a fresh buffer included, gets a larger one
 	// (PROTOCOL.md section 4, offer). Exporter.mu.
 	offers uint64
@@ -240,7 +240,7 @@ type expEvent struct {
 
 // NewExporter listens on the Unix socket at path (see transport.Listen for
 // the rules on its directory) and accepts consumers in the background. ctx
-// bounds the setup only. Buffers are lent from dctx's device; dctx must
+// bounds the setup only. Buffers are offered from dctx's device; dctx must
 // outlive the Exporter.
 func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg ExporterConfig) (*Exporter, error) {
 	if dctx == nil {
@@ -298,7 +298,7 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 		recs:    allocTable{byID: make(map[uint64]*allocRec), byBase: make(map[driver.DevicePtr]*allocRec)},
 		pids:    make(map[int]*procWatch),
 		cevents: make(map[*consEvent]struct{}),
-		lend:    lending{maxLeases: uint64(cfg.MaxLeasesPerConsumer)},
+		policy:  offerPolicy{maxLeases: uint64(cfg.MaxLeasesPerConsumer)},
 	}
 	e.life, e.cancel = context.WithCancel(context.Background())
 	e.rd.init(poll.Wake)
@@ -332,13 +332,13 @@ func (e *Exporter) newRecLocked(base driver.DevicePtr, size, bufID uint64, h dri
 	return rec
 }
 
-// Register lends size bytes at p, memory of the exporter's context that
-// the caller allocated and keeps ownership of. p need not be the base of
-// its allocation: the base and size are found with AddressRange, and the
-// allocation's IPC handle is taken once and cached for every buffer
-// registered in it. The allocation is told apart by base address and
-// buffer id, so memory freed and allocated again at the same address gets
-// a new record (and a new allocation id on the wire).
+// Register makes size bytes at p available to offer, memory of the
+// exporter's context that the caller allocated and keeps ownership of. p
+// need not be the base of its allocation: the base and size are found with
+// AddressRange, and the allocation's IPC handle is taken once and cached
+// for every buffer registered in it. The allocation is told apart by base
+// address and buffer id, so memory freed and allocated again at the same
+// address gets a new record (and a new allocation id on the wire).
 //
 // The caller may free the memory only after Retire of a buffer in it has
 // returned: that is when no consumer maps it any more.

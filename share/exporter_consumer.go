@@ -135,9 +135,9 @@ func (c *consumer) addOut(d int) {
 // mu held.
 func (c *consumer) classOut() *int {
 	if c.released {
-		return &c.e.lend.releasedOut
+		return &c.e.policy.releasedOut
 	}
-	return &c.e.lend.newcomerOut
+	return &c.e.policy.newcomerOut
 }
 
 // loadLocked is what Offer compares to pick a consumer, lowest first:
@@ -160,14 +160,14 @@ func (c *consumer) holdsLocked() bool { return c.out > 0 || len(c.allocs) > 0 }
 func (e *Exporter) Consumers() int {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return len(e.lend.consumers)
+	return len(e.policy.consumers)
 }
 
 // WaitConsumers waits within ctx until at least n consumers take offers.
 func (e *Exporter) WaitConsumers(ctx context.Context, n int) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	for len(e.lend.consumers) < n {
+	for len(e.policy.consumers) < n {
 		if e.closing {
 			return ErrClosed
 		}
@@ -183,7 +183,7 @@ func (e *Exporter) Stats() ExporterStats {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	s := e.stats
-	s.Consumers = len(e.lend.consumers)
+	s.Consumers = len(e.policy.consumers)
 	s.Allocations = len(e.recs.byID)
 	return s
 }
@@ -223,7 +223,7 @@ func (e *Exporter) acceptLoop() {
 		}
 		e.watchLocked(c, int(peer.PID))
 		e.conns[c] = struct{}{}
-		e.lend.consumers = append(e.lend.consumers, c)
+		e.policy.consumers = append(e.policy.consumers, c)
 		c.active = true
 		// The reader takes it in on its next pass.
 		e.joining = append(e.joining, c)
@@ -271,8 +271,8 @@ func (e *Exporter) onRelease(c *consumer, seqs []uint64, after *consEvent) error
 		if !c.released {
 			// Its first release: its leases count with the others' now.
 			if c.active {
-				e.lend.newcomerOut -= int(c.out)
-				e.lend.releasedOut += int(c.out)
+				e.policy.newcomerOut -= int(c.out)
+				e.policy.releasedOut += int(c.out)
 			}
 			c.released = true
 		}
@@ -368,7 +368,7 @@ func (e *Exporter) onClosed(c *consumer, allocID uint64) error {
 	}
 	switch {
 	case m == nil:
-		return fmt.Errorf("%w: closed for allocation %d, which it was never lent or closed already", transport.ErrUnexpectedMessage, allocID)
+		return fmt.Errorf("%w: closed for allocation %d, which it was never offered or closed already", transport.ErrUnexpectedMessage, allocID)
 	case !m.retireSent:
 		return fmt.Errorf("%w: closed for allocation %d, which was not retired", transport.ErrUnexpectedMessage, allocID)
 	case m.leases > 0:
@@ -389,13 +389,13 @@ func (e *Exporter) deactivateLocked(c *consumer) {
 	}
 	*c.classOut() -= int(c.out)
 	c.active = false
-	if i := slices.Index(e.lend.consumers, c); i >= 0 {
-		e.lend.consumers = slices.Delete(e.lend.consumers, i, i+1)
-		if e.lend.rr > i {
-			e.lend.rr--
+	if i := slices.Index(e.policy.consumers, c); i >= 0 {
+		e.policy.consumers = slices.Delete(e.policy.consumers, i, i+1)
+		if e.policy.rr > i {
+			e.policy.rr--
 		}
-		if e.lend.rr >= len(e.lend.consumers) {
-			e.lend.rr = 0
+		if e.policy.rr >= len(e.policy.consumers) {
+			e.policy.rr = 0
 		}
 	}
 	e.notifyLocked(&e.changed)

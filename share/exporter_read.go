@@ -10,8 +10,8 @@ import (
 )
 
 // This file is how the producer reads its consumers' messages: one
-// goroutine at a time reads every connection, through one
-// transport.Poller, and handles each message where it reads it. The
+// goroutine at a time reads every connection, through one poller
+// (internal/transportx), and handles each message where it reads it. The
 // reader is whoever holds the exporter's reading token (read_token.go):
 //
 //   - a producer's wait (Ring.Acquire for a buffer, Offer and Broadcast for
@@ -24,7 +24,7 @@ import (
 //     (retires, goodbyes, ends, releases) is.
 //
 // What ends such a wait otherwise (a Free, a retire, another goroutine's
-// notify, Close, a connection that fails) wakes the Poller.
+// notify, Close, a connection that fails) wakes the poller.
 
 // readLoop is the exporter's background reader.
 func (e *Exporter) readLoop() {

@@ -207,7 +207,7 @@ func testAllocReads(t *testing.T, sharing share.Sharing, how string) {
 		t.Fatal(err)
 	}
 	half := a.Available() / 2
-	lent, err := a.Alloc(ctx, half)
+	offered, err := a.Alloc(ctx, half)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -215,13 +215,13 @@ func testAllocReads(t *testing.T, sharing share.Sharing, how string) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := sharetest.Fill(env.Ctx, lent.Ptr(), lent.Size(), 0); err != nil {
+	if err := sharetest.Fill(env.Ctx, offered.Ptr(), offered.Size(), 0); err != nil {
 		t.Fatal(err)
 	}
-	if err := e.Offer(ctx, lent, share.OfferOptions{Meta: sharetest.Meta(0)}); err != nil {
+	if err := e.Offer(ctx, offered, share.OfferOptions{Meta: sharetest.Meta(0)}); err != nil {
 		t.Fatal(err)
 	}
-	lent.Free() // its range comes back with the release
+	offered.Free() // its range comes back with the release
 	c.Expect("HELD 1")
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()

@@ -33,7 +33,7 @@ func TestGenerationGrowsOnReuse(t *testing.T) {
 	conn := dialIn(t, e, 1, false)
 	defer conn.Close()
 	seen := map[[2]uint64]uint64{} // alloc, offset -> last generation
-	lendOnce := func(what string, take func() (*share.Buffer, error)) {
+	offerOnce := func(what string, take func() (*share.Buffer, error)) {
 		t.Helper()
 		b, err := take()
 		if err != nil {
@@ -64,7 +64,7 @@ func TestGenerationGrowsOnReuse(t *testing.T) {
 		}
 	}
 	for range 3 {
-		lendOnce("ring", func() (*share.Buffer, error) { return r.Acquire(ctx) })
-		lendOnce("arena", func() (*share.Buffer, error) { return a.Alloc(ctx, 256) })
+		offerOnce("ring", func() (*share.Buffer, error) { return r.Acquire(ctx) })
+		offerOnce("arena", func() (*share.Buffer, error) { return a.Alloc(ctx, 256) })
 	}
 }

@@ -54,12 +54,12 @@ func waitEnded(e *Exporter, c *consumer) {
 	}
 }
 
-// lendLosing lends b, as Offer does, to the consumer Offer would pick
+// offerLosing offers b, as Offer does, to the consumer Offer would pick
 // next, and loses it during the send: before the send starts (delivered
 // false) or after it returned (delivered true), then runs then (if not
 // nil), with mu unlocked. It returns the lost consumer; it restores the
 // hooks before returning.
-func lendLosing(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool, then func()) (bool, *consumer, error) {
+func offerLosing(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool, then func()) (bool, *consumer, error) {
 	var lost *consumer
 	lose := func(c *consumer) {
 		lost = c
@@ -78,40 +78,40 @@ func lendLosing(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, 
 	defer e.mu.Unlock()
 	c := e.pickLocked()
 	if c == nil {
-		return false, nil, errors.New("no consumer to lend to")
+		return false, nil, errors.New("no consumer to offer to")
 	}
-	lent, err := e.lendLocked(ctx, c, b, &opts, true)
-	return lent, lost, err
+	offered, err := e.offerToLocked(ctx, c, b, &opts, true)
+	return offered, lost, err
 }
 
-// LendLostDuringSendInfo is LendToConsumerLostDuringSend, returning the
+// OfferLostDuringSendInfo is OfferToConsumerLostDuringSend, returning the
 // lost consumer's state afterwards.
-func LendLostDuringSendInfo(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool) (bool, LostInfo, error) {
-	lent, lost, err := lendLosing(ctx, e, b, opts, delivered, nil)
+func OfferLostDuringSendInfo(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool) (bool, LostInfo, error) {
+	offered, lost, err := offerLosing(ctx, e, b, opts, delivered, nil)
 	if lost == nil {
-		return lent, LostInfo{}, err
+		return offered, LostInfo{}, err
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return lent, lostInfoLocked(e, lost), err
+	return offered, lostInfoLocked(e, lost), err
 }
 
-// LendThenLose lends b to the consumer Offer picks (the send completes),
+// OfferThenLose offers b to the consumer Offer picks (the send completes),
 // then loses that consumer: the pre-existing path (releaseVMMLocked
 // abandons a sent slot). It returns the lost consumer's state.
-func LendThenLose(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions) (bool, LostInfo, error) {
+func OfferThenLose(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions) (bool, LostInfo, error) {
 	e.mu.Lock()
 	c := e.pickLocked()
 	if c == nil {
 		e.mu.Unlock()
 		return false, LostInfo{}, errors.New("no consumer")
 	}
-	lent, err := e.lendLocked(ctx, c, b, &opts, true)
+	offered, err := e.offerToLocked(ctx, c, b, &opts, true)
 	e.mu.Unlock()
 	loseConsumer(e, c)
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	return lent, lostInfoLocked(e, c), err
+	return offered, lostInfoLocked(e, c), err
 }
 
 // BroadcastLosingFirst broadcasts b; the first target is lost: during its
@@ -151,11 +151,11 @@ func BroadcastLosingFirst(ctx context.Context, e *Exporter, b *Buffer, opts Offe
 	return e.Broadcast(ctx, b, opts)
 }
 
-// LendLostDuringSendThen is LendToConsumerLostDuringSend that runs then()
+// OfferLostDuringSendThen is OfferToConsumerLostDuringSend that runs then()
 // in the hook right after the loss (mu unlocked, send in flight or done).
-func LendLostDuringSendThen(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool, then func()) (bool, error) {
-	lent, _, err := lendLosing(ctx, e, b, opts, delivered, then)
-	return lent, err
+func OfferLostDuringSendThen(ctx context.Context, e *Exporter, b *Buffer, opts OfferOptions, delivered bool, then func()) (bool, error) {
+	offered, _, err := offerLosing(ctx, e, b, opts, delivered, then)
+	return offered, err
 }
 
 // Closing reports e.closing.

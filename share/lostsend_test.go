@@ -43,9 +43,9 @@ func TestConsumerLostDuringSend(t *testing.T) {
 			env, e, ctx := lostSendSetup(t, 2)
 			r, b := lostSendRing(t, env, e, 1)
 			opts := share.OfferOptions{Meta: sharetest.Meta(0)}
-			lent, err := share.LendToConsumerLostDuringSend(ctx, e, b, opts, delivered)
-			if err != nil || lent != delivered {
-				t.Fatalf("lend to a consumer lost during the send = %v, %v; want %v, nil", lent, err, delivered)
+			offered, err := share.OfferToConsumerLostDuringSend(ctx, e, b, opts, delivered)
+			if err != nil || offered != delivered {
+				t.Fatalf("offer to a consumer lost during the send = %v, %v; want %v, nil", offered, err, delivered)
 			}
 			s := e.Stats()
 			if !delivered {
@@ -91,17 +91,17 @@ func TestLostDuringSendProcessServedLast(t *testing.T) {
 			_, b := lostSendRing(t, env, e, 2)
 			opts := share.OfferOptions{Meta: sharetest.Meta(0)}
 			var (
-				lent bool
-				err  error
-				li   share.LostInfo
+				offered bool
+				err     error
+				li      share.LostInfo
 			)
 			if deferred {
-				lent, li, err = share.LendLostDuringSendInfo(ctx, e, b, opts, true)
+				offered, li, err = share.OfferLostDuringSendInfo(ctx, e, b, opts, true)
 			} else {
-				lent, li, err = share.LendThenLose(ctx, e, b, opts)
+				offered, li, err = share.OfferThenLose(ctx, e, b, opts)
 			}
-			if !lent || err != nil {
-				t.Fatalf("lend = %v, %v", lent, err)
+			if !offered || err != nil {
+				t.Fatalf("offer = %v, %v", offered, err)
 			}
 			s := e.Stats()
 			t.Logf("lost consumer: %+v; stats: Abandoned=%d Replaced=%d Offers=%d Releases=%d Leases=%d Lost=%d",
@@ -160,9 +160,9 @@ func TestArenaConsumerLostDuringSend(t *testing.T) {
 			}
 			env.Ctx.Synchronize()
 			opts := share.OfferOptions{Meta: sharetest.Meta(0)}
-			lent, err := share.LendToConsumerLostDuringSend(ctx, e, b, opts, delivered)
-			if err != nil || lent != delivered {
-				t.Fatalf("lend = %v, %v", lent, err)
+			offered, err := share.OfferToConsumerLostDuringSend(ctx, e, b, opts, delivered)
+			if err != nil || offered != delivered {
+				t.Fatalf("offer = %v, %v", offered, err)
 			}
 			if !delivered {
 				if err := e.Offer(ctx, b, opts); err != nil {
@@ -207,7 +207,7 @@ func TestShutdownDuringALostConsumersSend(t *testing.T) {
 			startConsumers(t, e, 2)
 			_, b := lostSendRing(t, env, e, 2)
 			done := make(chan error, 1)
-			lent, err := share.LendLostDuringSendThen(ctx, e, b, share.OfferOptions{Meta: sharetest.Meta(0)}, delivered, func() {
+			offered, err := share.OfferLostDuringSendThen(ctx, e, b, share.OfferOptions{Meta: sharetest.Meta(0)}, delivered, func() {
 				go func() {
 					c, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 					defer cancel()
@@ -221,7 +221,7 @@ func TestShutdownDuringALostConsumersSend(t *testing.T) {
 					t.Errorf("Shutdown freed allocations while a send was in flight")
 				}
 			})
-			t.Logf("lend = %v, %v", lent, err)
+			t.Logf("offer = %v, %v", offered, err)
 			if err := <-done; err != nil {
 				t.Errorf("Shutdown: %v", err)
 			}

@@ -33,7 +33,7 @@ type OfferOptions struct {
 	Stream *driver.Stream
 }
 
-// Offer lends b to one consumer: the next, in round-robin order, that has
+// Offer gives b to one consumer as a lease: the next, in round-robin order, that has
 // a credit; it waits within ctx while none has. This is work distribution:
 // each buffer goes to one consumer.
 //
@@ -51,7 +51,7 @@ func (e *Exporter) Offer(ctx context.Context, b *Buffer, opts OfferOptions) erro
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	for {
-		if err := e.lendableLocked(b); err != nil {
+		if err := e.offerReadyLocked(b); err != nil {
 			return err
 		}
 		c := e.pickLocked()
@@ -62,24 +62,24 @@ func (e *Exporter) Offer(ctx context.Context, b *Buffer, opts OfferOptions) erro
 			continue
 		}
 		// A consumer whose connection failed under the send is dropped
-		// (lendLocked): the buffer goes to another consumer; one
+		// (offerToLocked): the buffer goes to another consumer; one
 		// consumer's end never fails the producer's Offer.
-		if lent, err := e.lendLocked(ctx, c, b, &opts, true); lent || err != nil {
+		if offered, err := e.offerToLocked(ctx, c, b, &opts, true); offered || err != nil {
 			return err
 		}
 	}
 }
 
-// lendLocked lends b to c, which the caller chose: it checks that b can
-// be lent, reserves a credit of c and a lease slot, sends the offer
+// offerToLocked offers b to c, which the caller chose: it checks that b can
+// be offered, reserves a credit of c and a lease slot, sends the offer
 // (recording b's event first if record is set) and ends the reservation.
 // It reports whether the offer went out. When c's connection failed under
 // the send (it went away, or stopped reading), c is deactivated (its
-// connection's reader drops it) and lendLocked reports neither lent nor an
+// connection's reader drops it) and offerToLocked reports neither offered nor an
 // error: the caller passes b to another consumer, or skips c. mu held; it
 // is released during the send.
-func (e *Exporter) lendLocked(ctx context.Context, c *consumer, b *Buffer, opts *OfferOptions, record bool) (bool, error) {
-	if err := e.lendableLocked(b); err != nil {
+func (e *Exporter) offerToLocked(ctx context.Context, c *consumer, b *Buffer, opts *OfferOptions, record bool) (bool, error) {
+	if err := e.offerReadyLocked(b); err != nil {
 		return false, err
 	}
 	seq, gen, m := e.reserveLocked(c, b)
@@ -98,7 +98,7 @@ func (e *Exporter) lendLocked(ctx context.Context, c *consumer, b *Buffer, opts 
 }
 
 // settleLocked tells what a send of an offer to c that ended with err
-// means: lent (err is nil), the caller's error, or c's connection failed
+// means: offered (err is nil), the caller's error, or c's connection failed
 // under the send (c is then deactivated, and neither is reported: the
 // caller passes the buffer to another consumer, or skips c). mu held.
 func (e *Exporter) settleLocked(ctx context.Context, c *consumer, onConn bool, err error) (bool, error) {
@@ -125,7 +125,7 @@ func (e *Exporter) settleLocked(ctx context.Context, c *consumer, onConn bool, e
 	return false, nil
 }
 
-// Test hooks: run in lendLocked with mu unlocked, around the send, so that
+// Test hooks: run in offerToLocked with mu unlocked, around the send, so that
 // a test can lose the consumer there (nil outside tests).
 var testHookBeforeSend, testHookAfterSend func(c *consumer)
 
@@ -138,7 +138,7 @@ func connectionFailed(err error) bool {
 		errors.Is(err, transport.ErrWriteTimeout) || errors.Is(err, transport.ErrRemote)
 }
 
-// Broadcast lends b to every consumer that keeps up, and returns how many
+// Broadcast offers b to every consumer that keeps up, and returns how many
 // it reached. It waits within ctx while no consumer can take b at all. A
 // consumer that cannot take b now (at its credits or MaxLeasesPerConsumer,
 // or, while other consumers are connected, holding half or more of b's
@@ -159,10 +159,10 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	for {
-		if err := e.lendableLocked(b); err != nil {
+		if err := e.offerReadyLocked(b); err != nil {
 			return 0, err
 		}
-		if slices.ContainsFunc(e.lend.consumers, func(c *consumer) bool { return e.takesLocked(c, b) }) {
+		if slices.ContainsFunc(e.policy.consumers, func(c *consumer) bool { return e.takesLocked(c, b) }) {
 			break
 		}
 		// Credit, a new consumer and a lost one all wake creditWait.
@@ -188,7 +188,7 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 	// more. The cost per consumer reached is then the send's own, not a
 	// lock and an unlock of the exporter each (a broadcast to many is
 	// bound by the producer's CPU).
-	for _, c := range e.lend.consumers {
+	for _, c := range e.policy.consumers {
 		switch {
 		case e.takesLocked(c, b):
 			c.lagging = false
@@ -210,7 +210,7 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 	record := n == 0
 	var deadline time.Time // of the grace, from the first wait
 	for _, c := range sc.later {
-		if err := e.lendableLocked(b); err != nil {
+		if err := e.offerReadyLocked(b); err != nil {
 			if b.abandoned && !wasAbandoned {
 				return n, nil
 			}
@@ -227,12 +227,12 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 			continue
 		}
 		// A consumer whose connection failed under the send is going
-		// away: lendLocked drops it, and it is skipped.
-		lent, err := e.lendLocked(ctx, c, b, &opts, record)
+		// away: offerToLocked drops it, and it is skipped.
+		offered, err := e.offerToLocked(ctx, c, b, &opts, record)
 		if err != nil {
 			return n, err
 		}
-		if lent {
+		if offered {
 			n++
 			record = false
 		}
@@ -270,7 +270,7 @@ func (p *broadcastPass) put() {
 // event recorded once (by the first send), and settles every one: it
 // returns how many went out, and the first error that is the producer's
 // (a consumer whose connection failed under its send is dropped and
-// skipped, as lendLocked does). mu held on entry and on return.
+// skipped, as offerToLocked does). mu held on entry and on return.
 func (e *Exporter) sendAllLocked(ctx context.Context, b *Buffer, opts *OfferOptions, offers []broadcastOffer) (int, error) {
 	if len(offers) == 0 {
 		return 0, nil
@@ -305,8 +305,8 @@ func (e *Exporter) sendAllLocked(ctx context.Context, b *Buffer, opts *OfferOpti
 	for i := range offers {
 		o := &offers[i]
 		e.finishLocked(o.c, b, o.seq, o.err)
-		lent, err := e.settleLocked(ctx, o.c, o.onConn, o.err)
-		if lent {
+		offered, err := e.settleLocked(ctx, o.c, o.onConn, o.err)
+		if offered {
 			n++
 		}
 		if err != nil && first == nil {
@@ -365,8 +365,8 @@ func (e *Exporter) own(b *Buffer) error {
 	return nil
 }
 
-// lendableLocked says why b cannot be lent now, if it cannot. mu held.
-func (e *Exporter) lendableLocked(b *Buffer) error {
+// offerReadyLocked says why b cannot be offered now, if it cannot. mu held.
+func (e *Exporter) offerReadyLocked(b *Buffer) error {
 	if b.ring != nil && !b.held {
 		// Back in its ring: the next Acquire may hand it out to be
 		// rewritten while this lease would be read.

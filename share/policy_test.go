@@ -548,7 +548,7 @@ func TestOfferRefusesReturnedRingBuffer(t *testing.T) {
 // TestOfferPassesOverAClosedConnection: a consumer's connection that closes
 // under an offer (as a consumer's goodbye closes it) fails the send with
 // an error matching ErrClosed. That is the consumer's end, not the
-// exporter's: the consumer is dropped, the lend reports neither an offer
+// exporter's: the consumer is dropped, the offer reports neither an offer
 // nor an error, and Offer gives the buffer to another consumer. Were the
 // send's error classified by its value alone, the exporter's caller would
 // see "closed" from an exporter that is open.
@@ -583,8 +583,8 @@ func testOfferPassesOver(t *testing.T, why error) {
 		t.Fatalf("after an invalid offer: %d consumers, want 2 (the connection is fine)", s.Consumers)
 	}
 	opts := share.OfferOptions{Meta: sharetest.Meta(0)}
-	if lent, err := share.LendToClosedConsumer(ctx, e, b, opts, why); lent || err != nil {
-		t.Fatalf("lend to a consumer whose connection failed under the send (%v) = %v, %v; want false, nil", why, lent, err)
+	if offered, err := share.OfferToClosedConsumer(ctx, e, b, opts, why); offered || err != nil {
+		t.Fatalf("offer to a consumer whose connection failed under the send (%v) = %v, %v; want false, nil", why, offered, err)
 	}
 	if err := e.Offer(ctx, b, opts); err != nil {
 		t.Fatalf("Offer after a consumer's connection failed: %v", err)
@@ -622,8 +622,8 @@ func TestInvalidOfferOnFailedConnection(t *testing.T) {
 	startConsumers(t, e, 1)
 	_, b := acquireFilled(t, env, e, 1)
 	opts := share.OfferOptions{Meta: make([]byte, transport.MaxMetaSize+1)}
-	if lent, err := share.LendToClosedConsumer(ctx, e, b, opts, nil); lent || err == nil {
-		t.Errorf("an invalid offer to a consumer whose connection failed = %v, %v; want false and the offer's error", lent, err)
+	if offered, err := share.OfferToClosedConsumer(ctx, e, b, opts, nil); offered || err == nil {
+		t.Errorf("an invalid offer to a consumer whose connection failed = %v, %v; want false and the offer's error", offered, err)
 	}
 	shutdown(t, e)
 }

@@ -14,7 +14,7 @@ import (
 // Ring is a fixed set of equal buffers carved from one exported
 // allocation, so a consumer maps it once. The producer takes a free buffer
 // with Acquire, writes it and offers it; the buffer comes back by itself
-// once every consumer it was lent to has released it. This is the
+// once every consumer it was offered to has released it. This is the
 // reused-buffer path: it allocates nothing per handoff.
 type Ring struct {
 	e    *Exporter

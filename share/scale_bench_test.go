@@ -17,7 +17,7 @@ import (
 )
 
 // What grows besides consumers (README, "Many buffers, small buffers"):
-// the allocations a producer lends and a consumer maps, and the device
+// the allocations a producer offers and a consumer maps, and the device
 // memory of small buffers under the allocation granularity. Each
 // benchmark sets up once (its sub-benchmark is what b.N repeats), so that
 // -benchtime bounds only the repeated part.
@@ -26,7 +26,7 @@ import (
 const scaleBufSize = 4096
 
 // BenchmarkRegistered10000 is a producer with 10,000 registered buffers,
-// each its own cuMemAlloc allocation (Register lends the caller's memory
+// each its own cuMemAlloc allocation (Register offers the caller's memory
 // with legacy IPC), offered round robin to one consumer process, against
 // the same with 10: ns/op and producer-cpu-ns/op are an offer and its
 // release once the consumer maps every allocation, and must not grow with

@@ -2,13 +2,13 @@
 
 package share
 
-// This file is the lending policy: who takes the next offer (Offer), who
+// This file is the offer policy: who takes the next offer (Offer), who
 // can take a broadcast (Broadcast), and how much one consumer may hold.
-// Its state is the exporter's lending, under Exporter.mu; the per-consumer
+// Its state is the exporter's policy, under Exporter.mu; the per-consumer
 // counts it reads (out, window, released, ringLeases) are the consumer's.
 
-// lending is the lending policy's state. Exporter.mu.
-type lending struct {
+// offerPolicy is the offer policy's state. Exporter.mu.
+type offerPolicy struct {
 	consumers []*consumer // taking offers, in round-robin order
 	rr        int         // where the next round-robin scan starts
 	maxLeases uint64      // ExporterConfig.MaxLeasesPerConsumer; 0: none
@@ -20,18 +20,18 @@ type lending struct {
 
 // capLocked is how many leases c may hold at once.
 func (e *Exporter) capLocked(c *consumer) uint64 {
-	if e.lend.maxLeases > 0 {
-		return min(c.window, e.lend.maxLeases)
+	if e.policy.maxLeases > 0 {
+		return min(c.window, e.policy.maxLeases)
 	}
 	return c.window
 }
 
-// pickLocked returns the consumer to lend to next, or nil if none can
+// pickLocked returns the consumer to offer to next, or nil if none can
 // take a lease: of those below their cap, the one whose process holds the
 // fewest leases, after every one whose process holds none through a lost
 // connection (loadLocked), ties going round-robin. So a consumer that
 // stops releasing stops being picked once it holds more than the others,
-// and can never hold much more than its share of what is lent.
+// and can never hold much more than its share of what is offered.
 //
 // A newcomer (a consumer that has released nothing yet) is passed over
 // while the newcomers together hold as many leases as the consumers that
@@ -40,23 +40,23 @@ func (e *Exporter) capLocked(c *consumer) uint64 {
 // nothing, a newcomer would otherwise beat a consumer that is releasing
 // at every pick: a crowd of connections that take a buffer each and never
 // release would take every buffer a releasing consumer returns. So the
-// crowd holds at most about half of what is lent, a releasing consumer is
+// crowd holds at most about half of what is offered, a releasing consumer is
 // served throughout, and a newcomer still gets its first lease as soon as
 // the others hold more than the newcomers (a consumer merely slow to
 // start is not starved). The passing over never makes Offer wait: a
 // lease that only newcomers can take goes to one of them.
 func (e *Exporter) pickLocked() *consumer {
-	n := len(e.lend.consumers)
+	n := len(e.policy.consumers)
 	// best: the pick; spare: the best newcomer passed over, taken when no
 	// other can take the lease.
 	var best, spare pick
-	newcomers := e.lend.newcomerOut < max(e.lend.releasedOut, 1)
+	newcomers := e.policy.newcomerOut < max(e.policy.releasedOut, 1)
 	for i := range n {
-		j := e.lend.rr + i
+		j := e.policy.rr + i
 		if j >= n {
 			j -= n
 		}
-		c := e.lend.consumers[j]
+		c := e.policy.consumers[j]
 		if c.out >= e.capLocked(c) {
 			continue
 		}
@@ -72,9 +72,9 @@ func (e *Exporter) pickLocked() *consumer {
 		best = spare
 	}
 	if best.c != nil {
-		e.lend.rr = best.at + 1
-		if e.lend.rr == n {
-			e.lend.rr = 0
+		e.policy.rr = best.at + 1
+		if e.policy.rr == n {
+			e.policy.rr = 0
 		}
 	}
 	return best.c
@@ -104,7 +104,7 @@ func (e *Exporter) takesLocked(c *consumer, b *Buffer) bool {
 	if !c.active || c.out >= e.capLocked(c) {
 		return false
 	}
-	if len(e.lend.consumers) < 2 {
+	if len(e.policy.consumers) < 2 {
 		return true
 	}
 	if r := b.rec.ring; r != nil {
