@@ -85,7 +85,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.DurationVar(&cfg.duration, "duration", 0, "stop after this long, from when the consumers are connected (0: no limit)")
 	fs.DurationVar(&cfg.wait, "wait", 60*time.Second, "fail if the consumers have not connected within this long")
 	fs.IntVar(&cfg.selfcheck, "selfcheck", 0, "decode this many images with nvJPEG and with image/jpeg, compare, print PASS or FAIL, and exit")
-	fs.Float64Var(&cfg.threshold, "threshold", 3.0, "-selfcheck: the largest mean absolute difference per pixel value that passes")
+	fs.Float64Var(&cfg.threshold, "threshold", 2.0, "-selfcheck: the largest mean absolute difference per pixel value that passes")
 	fs.BoolVar(&cfg.jsonOnly, "json", true, "print the report as one JSON line")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
