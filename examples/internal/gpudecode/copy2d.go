@@ -42,10 +42,10 @@ type cuda struct {
 	streamSynchonize uintptr // CUresult cuStreamSynchronize(CUstream)
 }
 
-func loadCUDA() (*cuda, error) {
-	h, err := purego.Dlopen("libcuda.so.1", purego.RTLD_NOW|purego.RTLD_GLOBAL)
+func loadCUDA(path string) (*cuda, error) {
+	h, err := purego.Dlopen(path, purego.RTLD_NOW|purego.RTLD_GLOBAL)
 	if err != nil {
-		return nil, fmt.Errorf("%w: libcuda.so.1: %v", ErrUnavailable, err)
+		return nil, fmt.Errorf("%w: %s: %v", ErrUnavailable, path, err)
 	}
 	c := &cuda{}
 	for _, s := range []struct {
@@ -58,7 +58,7 @@ func loadCUDA() (*cuda, error) {
 	} {
 		p, err := purego.Dlsym(h, s.name)
 		if err != nil || p == 0 {
-			return nil, fmt.Errorf("%w: libcuda.so.1 lacks %s", ErrUnavailable, s.name)
+			return nil, fmt.Errorf("%w: %s lacks %s", ErrUnavailable, path, s.name)
 		}
 		*s.p = p
 	}

@@ -23,8 +23,10 @@ type Config struct {
 // Decoder decodes batches of JPEGs on one stream. It is not safe for
 // concurrent use: the loader runs it in one goroutine.
 type Decoder struct {
-	ctx    *driver.Context
-	stream *driver.Stream
+	ctx    uintptr // CUcontext, made current for every call
+	stream uintptr // CUstream
+	alloc  func(uint64) (uint64, error)
+	free   func(uint64) error
 	cu     *cuda
 	lib    *nvjpeg
 	crop   int
@@ -36,7 +38,7 @@ type Decoder struct {
 	checked       bool      // the first batch was checked with nvjpegDecodeBatchedSupported
 	inited        int       // the batch size nvjpegDecodeBatchedInitialize was given
 
-	staging     driver.DevicePtr
+	staging     uint64
 	stagingSize uint64
 
 	ptrs []uintptr
@@ -64,7 +66,7 @@ func Open(ctx *driver.Context, stream *driver.Stream, cfg Config) (*Decoder, err
 	if len(cfg.Backends) == 0 {
 		cfg.Backends, _ = ParseBackends("auto")
 	}
-	cu, err := loadCUDA()
+	cu, err := loadCUDA("libcuda.so.1")
 	if err != nil {
 		return nil, err
 	}
@@ -72,7 +74,18 @@ func Open(ctx *driver.Context, stream *driver.Stream, cfg Config) (*Decoder, err
 	if err != nil {
 		return nil, err
 	}
-	d := &Decoder{ctx: ctx, stream: stream, cu: cu, lib: lib, crop: cfg.Crop, next: cfg.Backends}
+	alloc := func(n uint64) (uint64, error) {
+		p, err := ctx.Alloc(n)
+		return uint64(p), err
+	}
+	free := func(p uint64) error { return ctx.Free(driver.DevicePtr(p)) }
+	return open(cu, lib, ctx.Handle(), stream.Handle(), alloc, free, cfg)
+}
+
+// open is Open with the libraries, the context, the stream and the device
+// allocator given (the tests give fakes).
+func open(cu *cuda, lib *nvjpeg, ctx, stream uintptr, alloc func(uint64) (uint64, error), free func(uint64) error, cfg Config) (*Decoder, error) {
+	d := &Decoder{ctx: ctx, stream: stream, alloc: alloc, free: free, cu: cu, lib: lib, crop: cfg.Crop, next: cfg.Backends}
 	unlock, err := d.enter()
 	if err != nil {
 		return nil, err
@@ -88,7 +101,7 @@ func Open(ctx *driver.Context, stream *driver.Stream, cfg Config) (*Decoder, err
 // current there, for nvJPEG's runtime and for the copies.
 func (d *Decoder) enter() (func(), error) {
 	runtime.LockOSThread()
-	if err := cuCall("cuCtxSetCurrent", d.cu.ctxSetCurrent, d.ctx.Handle()); err != nil {
+	if err := cuCall("cuCtxSetCurrent", d.cu.ctxSetCurrent, d.ctx); err != nil {
 		runtime.UnlockOSThread()
 		return nil, fmt.Errorf("%w: %v", ErrUnavailable, err)
 	}
@@ -214,13 +227,13 @@ func (d *Decoder) DecodeCrop(jpegs [][]byte, w, h, x, y []int, dst driver.Device
 	if need := slot * uint64(n); need > d.stagingSize {
 		if d.staging != 0 {
 			// The previous batches' work still reads it.
-			if err := cuCall("cuStreamSynchronize", d.cu.streamSynchonize, d.stream.Handle()); err != nil {
+			if err := cuCall("cuStreamSynchronize", d.cu.streamSynchonize, d.stream); err != nil {
 				return err
 			}
-			d.ctx.Free(d.staging)
+			d.free(d.staging)
 			d.staging, d.stagingSize = 0, 0
 		}
-		p, err := d.ctx.Alloc(need)
+		p, err := d.alloc(need)
 		if err != nil {
 			return fmt.Errorf("gpudecode: staging for %d images of up to %dx%d: %w", n, maxW, maxH, err)
 		}
@@ -233,7 +246,7 @@ func (d *Decoder) DecodeCrop(jpegs [][]byte, w, h, x, y []int, dst driver.Device
 	for i, j := range jpegs {
 		ptrs[i] = uintptr(unsafe.Pointer(&j[0]))
 		lens[i] = uint64(len(j))
-		base := uint64(d.staging) + uint64(i)*slot
+		base := d.staging + uint64(i)*slot
 		imgs[i] = image{
 			channel: [4]uintptr{uintptr(base), uintptr(base + plane), uintptr(base + 2*plane), 0},
 			pitch:   [4]uint64{pitch, pitch, pitch, 0},
@@ -255,10 +268,10 @@ func (d *Decoder) DecodeCrop(jpegs [][]byte, w, h, x, y []int, dst driver.Device
 	}
 	c := uint64(d.crop)
 	for i := range jpegs {
-		src := uint64(d.staging) + uint64(i)*slot + uint64(y[i])*pitch + uint64(x[i])
+		src := d.staging + uint64(i)*slot + uint64(y[i])*pitch + uint64(x[i])
 		out := uint64(dst) + uint64(i)*3*c*c
 		for ch := uint64(0); ch < 3; ch++ {
-			if err := d.cu.copy2D(out+ch*c*c, c, src+ch*plane, pitch, c, c, d.stream.Handle()); err != nil {
+			if err := d.cu.copy2D(out+ch*c*c, c, src+ch*plane, pitch, c, c, d.stream); err != nil {
 				return fmt.Errorf("gpudecode: crop image %d: %w", i, err)
 			}
 		}
@@ -277,7 +290,7 @@ func (d *Decoder) decode(ptrs []uintptr, lens []uint64, imgs []image) error {
 		d.inited = n
 	}
 	err := call("nvjpegDecodeBatched", d.lib.decodeBatched, d.handle, d.state,
-		uintptr(unsafe.Pointer(&ptrs[0])), uintptr(unsafe.Pointer(&lens[0])), uintptr(unsafe.Pointer(&imgs[0])), d.stream.Handle())
+		uintptr(unsafe.Pointer(&ptrs[0])), uintptr(unsafe.Pointer(&lens[0])), uintptr(unsafe.Pointer(&imgs[0])), d.stream)
 	if err != nil {
 		d.inited = 0 // nvJPEG: after a failed batch, initialize again
 	}
@@ -295,10 +308,10 @@ func (d *Decoder) Close() error {
 		return err
 	}
 	defer unlock()
-	err = cuCall("cuStreamSynchronize", d.cu.streamSynchonize, d.stream.Handle())
+	err = cuCall("cuStreamSynchronize", d.cu.streamSynchonize, d.stream)
 	d.destroyHandle()
 	if d.staging != 0 {
-		if ferr := d.ctx.Free(d.staging); ferr != nil && err == nil {
+		if ferr := d.free(d.staging); ferr != nil && err == nil {
 			err = ferr
 		}
 		d.staging = 0
