@@ -21,7 +21,7 @@
 #   run(command="bash bench/pipeline.sh", carry=[".gpu"], timeout_s=590)
 #
 # Flags: -images N (8000: generated there, ~10 s on 16 cores), -batch B (256),
-# -seconds S (20: measured per contender, after -warmup 10 steps), -steps N
+# -seconds S (15: measured per contender, after -warmup 10 steps), -steps N
 # (instead of -seconds), -cores "4 16", -bin DIR (.gpu/bin), -data DIR (a data
 # set made already: no datagen), -no-mps (leave out the rows of the loader
 # and trainer under an MPS daemon of the script's own; without MPS their two
@@ -31,13 +31,13 @@
 # backend: PASS/FAIL); synthetic; for each core count: the loader alone
 # (nvJPEG, and image/jpeg on the cores), loader + trainer, DataLoader with as
 # many workers as cores, decode_jpeg in the trainer; then loader + trainer
-# under MPS. Writes into $OUT: datagen.json, selfcheck.txt, results.jsonl
+# under MPS (the last core count only). Writes into $OUT: datagen.json, selfcheck.txt, results.jsonl
 # (one line per row: the trainer's and the loader's JSON reports), table.md,
 # logs.txt (the end of every process's stderr). Prints the table last.
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
-images=8000 batch=256 seconds=20 steps=0 warmup=10 cores="4 16" bin=.gpu/bin data= mps=yes only=.
+images=8000 batch=256 seconds=15 steps=0 warmup=10 cores="4 16" bin=.gpu/bin data= mps=yes only=.
 while [ $# -gt 0 ]; do
 	case $1 in
 	-images) images=$2; shift 2 ;;
@@ -100,7 +100,7 @@ cpuset() { echo "0-$(($1 - 1))"; }
 if [ -z "$data" ]; then
 	data=$work/ds
 	echo "== datagen"
-	timeout -k 5 240 "$bin/datagen" -out "$data" -images "$images" >"$OUT/datagen.json" 2>"$work/logs/datagen.err"
+	timeout -k 5 240 "$bin/datagen" -out "$data" -images "$images" -per-shard 250 >"$OUT/datagen.json" 2>"$work/logs/datagen.err"
 	rc=$?
 	log datagen "$work/logs/datagen.err"
 	if [ $rc != 0 ]; then
@@ -151,7 +151,7 @@ alone() { # alone LABEL CORES LOADER_ARGS...: the loader with no consumer
 	shift 2
 	want "$label" || return 0
 	echo "== $label, $c cores"
-	timeout -k 5 90 taskset -c "$(cpuset "$c")" "$bin/loader" -data "$data" -consumers 0 -batch "$batch" -duration 10s "$@" \
+	timeout -k 5 90 taskset -c "$(cpuset "$c")" "$bin/loader" -data "$data" -consumers 0 -batch "$batch" -duration 8s "$@" \
 		>"$work/rows/$label-$c.loader" 2>"$work/logs/$label-$c.loader.err"
 	log "$label $c cores: loader" "$work/logs/$label-$c.loader.err"
 	row_json "$label" "$c" /nonexistent "$work/rows/$label-$c.loader"
@@ -201,9 +201,10 @@ if [ $mps = yes ] && command -v nvidia-cuda-mps-control >/dev/null && want loade
 	export CUDA_MPS_PIPE_DIRECTORY=$work/mps/pipe CUDA_MPS_LOG_DIRECTORY=$work/mps/log
 	if nvidia-cuda-mps-control -d >"$work/logs/mps.err" 2>&1; then
 		mpsup=yes
-		for c in $cores; do
-			[ "$c" -gt "$ncpu" ] || pair loader+trainer+mps "$c"
-		done
+		# One core count (the last that fits), to stay within one device call.
+		mc=
+		for c in $cores; do [ "$c" -gt "$ncpu" ] || mc=$c; done
+		[ -n "$mc" ] && pair loader+trainer+mps "$mc"
 		if [ -z "$(echo get_server_list | timeout -k 5 20 nvidia-cuda-mps-control 2>/dev/null | tr -d '[:space:]')" ]; then
 			echo "pipeline: the MPS daemon lists no server: the +mps rows ran WITHOUT MPS" | tee -a "$OUT/logs.txt"
 		fi

@@ -114,7 +114,7 @@ def main():
     ap.add_argument("--steps", type=int, default=0, help="measured steps (0: --seconds decides)")
     ap.add_argument("--seconds", type=float, default=20.0, help="measure for this long (with --steps 0)")
     ap.add_argument("--workers", type=int, default=8, help="dataloader: worker processes")
-    ap.add_argument("--prefetch", type=int, default=4, help="dataloader: batches each worker prepares ahead")
+    ap.add_argument("--prefetch", type=int, default=2, help="dataloader: batches each worker prepares ahead")
     ap.add_argument("--credits", type=int, default=4, help="cudashare: leases held at once (the loader's lead)")
     ap.add_argument("--wait-ms", type=float, default=1.0, help="a step whose batch took longer than this to get waited for data")
     ap.add_argument("--seed", type=int, default=1)
