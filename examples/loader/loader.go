@@ -445,7 +445,7 @@ func batchMeta(n uint64, items []item, crop int) ([]byte, error) {
 		labels[i], keys[i] = it.Label, it.Key
 		crops = append(crops, it.X, it.Y)
 	}
-	return share.EncodeMeta(share.ArrayMeta{
+	return share.EncodeMeta(share.ViewMeta{
 		DType: "uint8",
 		Shape: []uint64{uint64(len(items)), 3, uint64(crop), uint64(crop)},
 		Extra: map[string]any{"batch": n, "epoch": items[0].Epoch, "labels": labels, "keys": keys, "crops": crops},
