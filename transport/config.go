@@ -20,6 +20,12 @@ type Config struct {
 	// at once before it grants more with SendCredit. Zero means 64; at
 	// most MaxWindow; a producer ignores it.
 	Credits uint32
+	// Session is a producer's session id, sent in its hello or
+	// hello-ack (PROTOCOL.md, section 3): random per producer instance
+	// (share.NewExporter draws one), so that consumers tell a restarted
+	// producer, whose allocation ids start again, from the one before
+	// it. 0 sends none; a consumer ignores it.
+	Session uint64
 	// AcceptVMM advertises CapVMM: this side, a consumer, imports vmm
 	// handles and accepts the descriptors that come with their offers.
 	// Without it, a peer that sends descriptors is a protocol error

@@ -239,7 +239,7 @@ func (c *Conn) Shutdown(ctx context.Context, reason string) error {
 	err := c.lockRoom(ctx, false)
 	if err == nil {
 		off := len(c.out)
-		c.out = appendGoodbye(c.out, reason)
+		c.out = appendGoodbye(c.out, GoodbyeDone, reason)
 		c.saidBye = true
 		c.unlockAndKick(off)
 		err = c.Flush(ctx)
@@ -261,11 +261,18 @@ func (c *Conn) Shutdown(ctx context.Context, reason string) error {
 // goodbye, as the page tells it to, and this side, waiting for the peer to
 // close, would wait for each other until the timeout.
 func (c *Conn) SendGoodbye(ctx context.Context, reason string) error {
+	return c.SendGoodbyeCode(ctx, GoodbyeDone, reason)
+}
+
+// SendGoodbyeCode is SendGoodbye with a code that says what comes next:
+// a producer that restarts says GoodbyeRestarting, so that consumers that
+// reconnect wait for its successor.
+func (c *Conn) SendGoodbyeCode(ctx context.Context, code GoodbyeCode, reason string) error {
 	if err := c.lockRoom(ctx, false); err != nil {
 		return err
 	}
 	off := len(c.out)
-	c.out = appendGoodbye(c.out, reason)
+	c.out = appendGoodbye(c.out, code, reason)
 	c.saidBye = true
 	c.unlockAndKick(off)
 	if err := c.Flush(ctx); err != nil {

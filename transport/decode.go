@@ -41,7 +41,7 @@ func (d *decoder) decode(body []byte, m *Message) (Kind, error) {
 	var want int
 	switch kind {
 	case KindHello, KindHelloAck:
-		want = helloFields
+		want = min(max(n, helloFields), helloSessionFields)
 		err = d.decodeHello(&r, n, kind)
 	case KindOffer:
 		want = min(max(n, offerFields), offerKindFields)
@@ -71,9 +71,20 @@ func (d *decoder) decode(body []byte, m *Message) (Kind, error) {
 			m.Credits = uint32(v)
 		}
 	case KindGoodbye:
-		want = goodbyeFields
-		if err = needFields(kind, n, want); err == nil {
+		want = min(max(n, goodbyeFields), goodbyeCodeFields)
+		m.ByeCode = GoodbyeDone
+		if err = needFields(kind, n, goodbyeFields); err == nil {
 			m.Reason, err = r.str("goodbye.reason")
+		}
+		if err == nil && n >= goodbyeCodeFields {
+			var v uint64
+			if v, err = r.uint("goodbye.code"); err == nil {
+				// An unknown code is the plain goodbye (PROTOCOL.md,
+				// section 4, goodbye).
+				if m.ByeCode = GoodbyeCode(v); uint64(m.ByeCode) != v || m.ByeCode > GoodbyeRestarting {
+					m.ByeCode = GoodbyeDone
+				}
+			}
 		}
 	case KindError:
 		want = errorFields
@@ -164,6 +175,15 @@ func (d *decoder) decodeHello(r *reader, n int, kind Kind) (err error) {
 		// error (PROTOCOL.md 2.2). A producer's credits mean nothing
 		// (section 3): whatever they hold is ignored.
 		return fmt.Errorf("%w: hello.credits: a window of %d, limit %d", ErrCredit, h.credits, MaxWindow)
+	}
+	h.session = 0
+	if n >= helloSessionFields {
+		if h.session, err = r.uint("hello.session"); err != nil {
+			return err
+		}
+		if h.role != RoleProducer {
+			h.session = 0 // only a producer's means something
+		}
 	}
 	return nil
 }

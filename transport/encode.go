@@ -77,7 +77,11 @@ const mpNil = 0xc0
 
 func appendHello(b []byte, h *hello) []byte {
 	b, start := beginFrame(b)
-	b = appendArrayLen(b, helloFields)
+	if h.session != 0 {
+		b = appendArrayLen(b, helloSessionFields)
+	} else {
+		b = appendArrayLen(b, helloFields)
+	}
 	b = appendUint(b, uint64(h.kind))
 	b = appendUint(b, h.version)
 	b = appendUint(b, uint64(h.role))
@@ -89,6 +93,9 @@ func appendHello(b []byte, h *hello) []byte {
 	}
 	b = appendUint(b, uint64(h.caps))
 	b = appendUint(b, h.credits)
+	if h.session != 0 {
+		b = appendUint(b, h.session)
+	}
 	return endFrame(b, start)
 }
 
@@ -153,10 +160,19 @@ func appendUintMsg(b []byte, k Kind, v uint64) []byte {
 	return endFrame(b, start)
 }
 
-func appendGoodbye(b []byte, reason string) []byte {
+// appendGoodbye encodes a goodbye; the code travels only when it says
+// more than the default, so that a plain goodbye stays as it always was.
+func appendGoodbye(b []byte, code GoodbyeCode, reason string) []byte {
 	b, start := beginFrame(b)
-	b = append(b, 0x92, byte(KindGoodbye))
+	if code == GoodbyeDone {
+		b = append(b, 0x92, byte(KindGoodbye))
+	} else {
+		b = append(b, 0x93, byte(KindGoodbye))
+	}
 	b = appendStr(b, truncateText(reason))
+	if code != GoodbyeDone {
+		b = appendUint(b, uint64(code))
+	}
 	return endFrame(b, start)
 }
 

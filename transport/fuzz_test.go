@@ -28,7 +28,7 @@ func seedStreams() map[string][]byte {
 		"retire":        appendUintMsg(nil, KindRetire, 5),
 		"closed":        appendUintMsg(nil, KindClosed, 5),
 		"credit":        appendUintMsg(nil, KindCredit, 8),
-		"goodbye":       appendGoodbye(nil, "done"),
+		"goodbye":       appendGoodbye(nil, GoodbyeDone, "done"),
 		"error":         appendError(nil, codeCredit, "too many"),
 		"hello":         appendHello(nil, &h),
 		"hello-ack":     appendHello(nil, &hello{kind: KindHelloAck, version: Version, role: RoleProducer}),
@@ -36,7 +36,7 @@ func seedStreams() map[string][]byte {
 	stream := appendHello(nil, &h)
 	stream = appendOffer(stream, &o)
 	stream = appendRelease(stream, []uint64{3}, nil)
-	seeds["stream"] = appendGoodbye(stream, "")
+	seeds["stream"] = appendGoodbye(stream, GoodbyeDone, "")
 	for _, bad := range badBodies() {
 		seeds["bad-"+strings.ReplaceAll(bad.name, " ", "-")] = frame(bad.body)
 	}
@@ -113,7 +113,7 @@ func FuzzDecode(f *testing.F) {
 			case KindCredit:
 				again = appendUintMsg(nil, kind, uint64(m.Credits))
 			case KindGoodbye:
-				again = appendGoodbye(nil, m.Reason)
+				again = appendGoodbye(nil, m.ByeCode, m.Reason)
 			case KindError:
 				again = appendError(nil, d.errCode, d.errText)
 			}

@@ -70,6 +70,8 @@ func (c *Conn) handshake(ctx context.Context, dialer bool, admit func(*Conn) err
 	}
 	if c.cfg.Role == RoleConsumer {
 		mine.credits = uint64(c.cfg.Credits)
+	} else {
+		mine.session = c.cfg.Session
 	}
 	rand.Read(mine.instanceID[:])
 
@@ -100,6 +102,7 @@ func (c *Conn) handshake(ctx context.Context, dialer bool, admit func(*Conn) err
 	c.peer.InstanceID = theirs.instanceID
 	c.peer.Devices = theirs.devices
 	c.peer.Caps = theirs.caps
+	c.peer.Session = theirs.session
 	c.desc = c.peer.String()
 	if c.cfg.Role == RoleProducer {
 		c.window = theirs.credits

@@ -170,6 +170,33 @@ type Message struct {
 	Credits uint32
 	// Reason is the peer's reason, for KindGoodbye.
 	Reason string
+	// ByeCode is what the peer's goodbye says comes next, for KindGoodbye.
+	ByeCode GoodbyeCode
+}
+
+// GoodbyeCode is what a goodbye says comes next (PROTOCOL.md, section 4,
+// goodbye).
+type GoodbyeCode uint8
+
+// Goodbye codes.
+const (
+	// GoodbyeDone: the sender is done; nothing more comes from it. The
+	// plain goodbye, and what an unknown code means.
+	GoodbyeDone GoodbyeCode = 0
+	// GoodbyeRestarting: the sender, a producer, restarts: a new producer
+	// (a new session) will listen at the same path soon, and a consumer
+	// that reconnects is served again.
+	GoodbyeRestarting GoodbyeCode = 1
+)
+
+func (c GoodbyeCode) String() string {
+	switch c {
+	case GoodbyeDone:
+		return "done"
+	case GoodbyeRestarting:
+		return "restarting"
+	}
+	return fmt.Sprintf("goodbye_code(%d)", uint8(c))
 }
 
 // Peer describes the other side of a connection: who the kernel says it is
@@ -188,6 +215,12 @@ type Peer struct {
 	Devices []UUID
 	// Caps are the features the peer accepts.
 	Caps Caps
+	// Session is a producer's session id (PROTOCOL.md, section 3): random
+	// per producer instance, the same on all its connections, new when
+	// the producer restarts, whose allocation ids and sequence numbers
+	// start again. 0: the peer named none (a consumer, or a producer that
+	// predates it): the session is unknown.
+	Session uint64
 }
 
 func (p *Peer) String() string {

@@ -76,6 +76,9 @@ func (k Kind) String() string {
 // elements past these (a later minor revision may append fields).
 const (
 	helloFields = 8
+	// helloSessionFields: a producer's hello or hello-ack that names its
+	// session.
+	helloSessionFields = 9
 	offerFields = 12
 	// offerKindFields: an offer that names its handle kind.
 	offerKindFields = 13
@@ -85,6 +88,8 @@ const (
 	allocFields        = 2 // retire, closed
 	creditFields       = 2
 	goodbyeFields      = 2
+	// goodbyeCodeFields: a goodbye that says why with a code.
+	goodbyeCodeFields = 3
 	errorFields        = 3
 )
 
@@ -98,4 +103,5 @@ type hello struct {
 	devices    []UUID
 	caps       Caps
 	credits    uint64
+	session    uint64 // 0: none sent
 }

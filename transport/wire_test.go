@@ -121,11 +121,14 @@ func TestStandardMsgpack(t *testing.T) {
 		{"retire", appendUintMsg(nil, KindRetire, 77), []any{uint64(KindRetire), uint64(77)}},
 		{"closed", appendUintMsg(nil, KindClosed, 77), []any{uint64(KindClosed), uint64(77)}},
 		{"credit", appendUintMsg(nil, KindCredit, 16), []any{uint64(KindCredit), uint64(16)}},
-		{"goodbye", appendGoodbye(nil, "bye"), []any{uint64(KindGoodbye), "bye"}},
+		{"goodbye", appendGoodbye(nil, GoodbyeDone, "bye"), []any{uint64(KindGoodbye), "bye"}},
+		{"goodbye restarting", appendGoodbye(nil, GoodbyeRestarting, "bye"), []any{uint64(KindGoodbye), "bye", uint64(GoodbyeRestarting)}},
 		{"error", appendError(nil, codeVersion, "v2"), []any{uint64(KindError), uint64(codeVersion), "v2"}},
 		{"hello", appendHello(nil, &h), []any{uint64(KindHello), uint64(Version), uint64(RoleConsumer), uint64(1234),
 			make([]byte, 16), []any{append([]byte{1}, make([]byte, 15)...), append([]byte{2}, make([]byte, 15)...)},
 			uint64(CapVMM), uint64(64)}},
+		{"hello-ack with a session", appendHello(nil, &hello{kind: KindHelloAck, version: Version, role: RoleProducer, pid: 1, session: 1 << 40}),
+			[]any{uint64(KindHelloAck), uint64(Version), uint64(RoleProducer), uint64(1), make([]byte, 16), []any{}, uint64(0), uint64(0), uint64(1 << 40)}},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
