@@ -79,7 +79,7 @@ const (
 	// helloSessionFields: a producer's hello or hello-ack that names its
 	// session.
 	helloSessionFields = 9
-	offerFields = 12
+	offerFields        = 12
 	// offerKindFields: an offer that names its handle kind.
 	offerKindFields = 13
 	releaseFields   = 2
@@ -90,7 +90,7 @@ const (
 	goodbyeFields      = 2
 	// goodbyeCodeFields: a goodbye that says why with a code.
 	goodbyeCodeFields = 3
-	errorFields        = 3
+	errorFields       = 3
 )
 
 // hello is the body of a hello or hello-ack message.
