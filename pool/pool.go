@@ -227,6 +227,14 @@ func (w *worker) work(ctx context.Context) error {
 			}
 			return err
 		}
+		if errors.Is(l.Err(), share.ErrProducerGone) {
+			// Its producer went away (legacy IPC: the memory with it)
+			// since Next handed it out: a handler never sees a dead
+			// lease. With ImporterConfig.Reconnect the next lease is
+			// the new producer's.
+			l.Release()
+			continue
+		}
 		err = call(ctx, w.h, l)
 		var rerr error
 		if w.releaseAfter && err == nil {

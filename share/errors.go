@@ -27,6 +27,15 @@ var (
 	// ErrProducerGone: the producer said goodbye or vanished. After a
 	// goodbye the error also matches io.EOF: the stream ended cleanly.
 	ErrProducerGone = errors.New("share: producer gone")
+	// ErrProducerRestarting: the producer said goodbye because it
+	// restarts (PROTOCOL.md, goodbye code restarting), and the importer
+	// has no ImporterConfig.Reconnect to wait for the next one. It comes
+	// with ErrProducerGone, not with io.EOF: the stream did not end.
+	ErrProducerRestarting = errors.New("share: producer restarting")
+	// ErrReconnectDeadline: the producer went away and none came back at
+	// its path within ImporterConfig.Reconnect's deadline. It comes with
+	// ErrProducerGone.
+	ErrReconnectDeadline = errors.New("share: no producer came back within the reconnect deadline")
 	// ErrPeerAccessUnsupported: the importer's device cannot map memory
 	// of the producer's device. The message names both UUIDs.
 	ErrPeerAccessUnsupported = errors.New("share: peer access unsupported between the devices")

@@ -135,6 +135,8 @@ type Exporter struct {
 
 	sharing    Sharing // SharingIPC or SharingVMM
 	sharingWhy string
+	session    uint64 // sent in every hello-ack (exporter_restart.go)
+	restarting bool   // Restart: the goodbyes say so; guarded by mu
 	gran       uint64 // VMM allocation granularity
 
 	life      context.Context // ends with Close; bounds every goroutine
@@ -263,6 +265,7 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 	tcfg.WriteTimeout = cfg.WriteTimeout
 	tcfg.DisableShm, tcfg.ShmSpin = cfg.DisableShm, cfg.ShmSpin
 	tcfg.ReleaseEvents = true // Acquire, AcquireOn, Arena.Alloc and Wait honour them
+	tcfg.Session = newSession()
 	leaseTimeout := cfg.LeaseTimeout
 	if leaseTimeout == 0 {
 		leaseTimeout = DefaultLeaseTimeout
@@ -286,7 +289,7 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 	}
 	log.Info("share: exporter sharing path", "sharing", sharing.String(), "why", why)
 	e := &Exporter{
-		sharing: sharing, sharingWhy: why, gran: gran,
+		sharing: sharing, sharingWhy: why, gran: gran, session: tcfg.Session,
 		dctx:    dctx,
 		dev:     dev,
 		ln:      ln,

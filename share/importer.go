@@ -53,6 +53,14 @@ type ImporterConfig struct {
 	// connections (a producer that is starting or restarting), within
 	// Dial's context. 0 means one try: fail at once.
 	DialWait time.Duration
+	// Reconnect, if not nil, keeps the importer through a producer's
+	// restart: when the producer vanishes, or says goodbye because it
+	// restarts, the importer connects again to the producer that takes
+	// its place at the path, and Next goes on with that one's leases
+	// (importer_reconnect.go). Nil: the importer ends with the producer.
+	// With it, Dial also waits for a first producer as long as a
+	// reconnection would, unless DialWait is longer.
+	Reconnect *ReconnectPolicy
 }
 
 // MaxCredits bounds ImporterConfig.Credits.
@@ -70,6 +78,13 @@ type ImporterStats struct {
 	// EventsOpened counts the producer's events opened from their handles:
 	// each once, however many offers carry it.
 	EventsOpened uint64
+	// Reconnects counts the producers connected to after the first one
+	// (ImporterConfig.Reconnect).
+	Reconnects uint64
+	// ReleasesDropped counts releases of leases whose producer was gone
+	// (a producer replaced since): they go nowhere, since no producer
+	// waits for them.
+	ReleasesDropped uint64
 }
 
 // importer states.
@@ -90,7 +105,7 @@ const (
 type Importer struct {
 	dctx   *driver.Context
 	dev    driver.UUID
-	conn   *transport.Conn
+	conn   *transport.Conn // the current producer's; replaced (under mu, with rd's token) by a reconnection
 	peer   transport.Peer
 	reg    *Registry
 	stream *driver.Stream
@@ -118,13 +133,27 @@ type Importer struct {
 	failed    map[uint64]error         // vmm allocations whose import failed
 	events    map[transport.Handle]*driver.Event
 	relEvs    map[*driver.Stream]*relEvent // stream-ordered releases: one event per stream
-	relEvOK   bool                         // the producer honours release events
+	relEvOK   atomic.Bool                  // the producer honours release events; replaced by a reconnection
 	pending   int                          // releases queued and not yet pushed
 	pushAt    int                          // pending releases that are pushed at once
 	pushTimer *time.Timer                  // pushes after releaseDelay
 	heldZero  chan struct{}                // closed when held reaches 0; made by Shutdown
 	stats     ImporterStats                // but for the counters below
 	byeWhy    string
+	byeCode   transport.GoodbyeCode
+
+	// Reconnection (importer_reconnect.go).
+	path      string
+	tcfg      transport.Config
+	policy    *ReconnectPolicy
+	session   uint64                 // the current producer's, or one of our own when it names none: part of every registry key
+	life      context.Context        // ends with the importer: a reconnection's dial
+	endLife   context.CancelFunc     // called by endLocked
+	up        chan struct{}          // while reconnecting: closed when a producer is back, or the importer ends
+	reconDone chan struct{}          // closed when the reconnecting goroutine has returned; nil if none ran
+	lost      map[*impAlloc]struct{} // mappings of producers gone that leases are still in
+	stale     []*driver.Event        // gone producers' events that a Next may have been using: destroyed by close
+	connNow   atomic.Pointer[transport.Conn]
 
 	// Updated without mu: by handOut (see there), and around the uses of
 	// the producer's events (importer_end.go). held goes down with mu
@@ -146,7 +175,15 @@ type impAlloc struct {
 	leases  int  // queued and returned
 	retired bool // the producer retired it: close once no lease is in it
 	closed  bool // this importer's hold is dropped
+	// lost: its producer is gone (and maybe replaced since): nothing
+	// about it is sent any more. Set with mu held; loaded without it by
+	// Next and Ptr.
+	lost atomic.Bool
 }
+
+// dead reports whether a's memory died with its producer: legacy IPC
+// memory is freed when the producer exits; a VMM import keeps its own.
+func (a *impAlloc) dead() bool { return a.lost.Load() && a.ent.vmm == nil }
 
 // Dial connects to the exporter at path and returns an importer mapping
 // into dctx, which must outlive it.
@@ -179,7 +216,15 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 	if len(cfg.AllowedUIDs) > 0 {
 		tcfg.AllowedUIDs = cfg.AllowedUIDs
 	}
-	conn, err := dialWaiting(ctx, path, tcfg, cfg.DialWait)
+	pol, err := cfg.Reconnect.resolve()
+	if err != nil {
+		return nil, err
+	}
+	wait := cfg.DialWait
+	if pol != nil {
+		wait = max(wait, pol.firstWait())
+	}
+	conn, err := dialWaiting(ctx, path, tcfg, wait)
 	if err != nil {
 		return nil, err
 	}
@@ -195,22 +240,28 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 		failed:   make(map[uint64]error),
 		events:   make(map[transport.Handle]*driver.Event),
 		relEvs:   make(map[*driver.Stream]*relEvent),
-		// A producer whose SO_PEERCRED pid reads 0 runs in a PID
-		// namespace above this one or beside it (another container),
-		// where the driver may refuse to open our events: releases
-		// wait on the host instead (PROTOCOL.md, section 4.1).
-		relEvOK: conn.Peer().Caps&transport.CapReleaseEvents != 0 && conn.Peer().PID != 0,
 		pushAt:  max(1, int(cfg.Credits)/4),
+		path:    path, tcfg: tcfg, policy: pol,
+		session: sessionOf(conn.Peer()),
+		lost:    make(map[*impAlloc]struct{}),
 	}
+	im.relEvOK.Store(releaseEventsOK(conn.Peer()))
+	im.life, im.endLife = context.WithCancel(context.Background())
+	im.connNow.Store(conn)
 	im.pushTimer = time.AfterFunc(time.Hour, im.push)
 	im.pushTimer.Stop()
-	im.rd.init(func() { connInterrupt(conn) })
-	go im.readLoop()
+	im.rd.init(func() { connInterrupt(im.connNow.Load()) })
+	go im.readLoop(im.recvDone, im.bgDone)
 	return im, nil
 }
 
-// Producer describes the producer this importer is connected to.
-func (im *Importer) Producer() Peer { return peerOf(im.peer) }
+// Producer describes the producer this importer is connected to (the
+// latest one, after a reconnection).
+func (im *Importer) Producer() Peer {
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	return peerOf(im.peer)
+}
 
 // Registry returns the registry holding the importer's mappings.
 func (im *Importer) Registry() *Registry { return im.reg }
@@ -218,7 +269,11 @@ func (im *Importer) Registry() *Registry { return im.reg }
 // Shm reports whether the connection's messages go through the shm
 // channel, memory shared with the producer (both sides allow it), rather
 // than on its socket.
-func (im *Importer) Shm() bool { return im.conn.Shm() }
+func (im *Importer) Shm() bool {
+	im.mu.Lock()
+	defer im.mu.Unlock()
+	return im.conn.Shm()
+}
 
 // Done returns a channel that is closed once no more leases come: the
 // producer is gone (its goodbye, a drop, its death) or Shutdown or Close
@@ -251,6 +306,7 @@ func (im *Importer) Stats() ImporterStats {
 			s.Mappings++
 		}
 	}
+	s.Mappings += len(im.lost)
 	return s
 }
 
@@ -273,6 +329,20 @@ func (im *Importer) Next(ctx context.Context) (*Lease, error) {
 // A pool gives each worker a stream of its own this way, so that their
 // GPU work overlaps. Lease.Stream returns s.
 func (im *Importer) NextOn(ctx context.Context, s *driver.Stream) (*Lease, error) {
+	for {
+		l, err := im.next(ctx, s)
+		if l != nil || err != nil {
+			return l, err
+		}
+		// A lease of a producer that was lost meanwhile: never handed
+		// out (its producer's writes may not be complete, or its memory
+		// is gone with it). The next lease is the new producer's.
+	}
+}
+
+// next is one try of NextOn: nil and no error for a lease of a lost
+// producer, which it has dropped.
+func (im *Importer) next(ctx context.Context, s *driver.Stream) (*Lease, error) {
 	if err := ctx.Err(); err != nil {
 		// A loop bounded by its context must end even while leases keep
 		// arriving: the fast path below would never see it.
@@ -294,12 +364,19 @@ func (im *Importer) NextOn(ctx context.Context, s *driver.Stream) (*Lease, error
 	if l.ev != nil {
 		// Close leaves the producer's events to the last Next that may
 		// wait on one (importer_end.go): this one counts before handOut
-		// looks whether the importer has stopped.
+		// looks whether the importer has stopped. A reconnection leaves
+		// the lost producer's events to close the same way
+		// (importer_reconnect.go): it marks the allocations lost before
+		// it looks at evUse, and this counts before it looks at lost.
 		im.useEvent()
 		defer im.doneWithEvent()
 	}
 	if err := im.handOut(l, direct); err != nil {
 		return nil, err
+	}
+	if l.a.lost.Load() {
+		l.Release() // counted in ReleasesDropped
+		return nil, nil
 	}
 	l.stream = s
 	if l.ev != nil {
@@ -360,7 +437,8 @@ func (im *Importer) wait(ctx context.Context) (_ *Lease, direct bool, _ error) {
 			if l != nil {
 				return l, direct, nil
 			}
-			// The context ended, or the importer stopped.
+			// The context ended, the importer stopped, or the
+			// producer is gone and a reconnection is under way.
 		}
 		if err := ctx.Err(); err != nil {
 			return nil, false, err
@@ -369,6 +447,17 @@ func (im *Importer) wait(ctx context.Context) (_ *Lease, direct bool, _ error) {
 			im.mu.Lock()
 			defer im.mu.Unlock()
 			return nil, false, im.ended
+		}
+		if up := im.reconnecting(); up != nil {
+			// Nothing to read until a producer is back: wait for it
+			// rather than take the token again and again.
+			select {
+			case l := <-im.ready:
+				return l, false, nil
+			case <-up:
+			case <-im.stop:
+			case <-ctx.Done():
+			}
 		}
 	}
 }
@@ -446,7 +535,7 @@ func (im *Importer) leaseLocked(o *transport.Offer) (*Lease, error) {
 		return nil, im.failed[o.AllocID]
 	case a == nil:
 		key := regKey{
-			pid: im.peer.PID, inst: im.peer.InstanceID,
+			pid: im.peer.PID, inst: im.peer.InstanceID, session: im.session,
 			src: o.Device, dst: im.dev, handle: o.Handle,
 		}
 		var ent *regEntry
@@ -543,11 +632,15 @@ func (im *Importer) closeAllocLocked(a *impAlloc) {
 	// must be done before the mapping closes (and the producer is told).
 	im.syncReleasesLocked()
 	a.closed = true
-	delete(im.allocs, a.id)
+	if im.allocs[a.id] == a {
+		// Not a lost producer's: its id may name a new one's allocation.
+		delete(im.allocs, a.id)
+	}
+	delete(im.lost, a)
 	if err := im.reg.release(a.ent); err != nil {
 		im.log.Error("share: closing a mapping failed", "alloc", a.id, "err", err)
 	}
-	if a.retired {
+	if a.retired && !a.lost.Load() {
 		im.stats.Retired++
 		im.sendClosedLocked(a.id)
 	}

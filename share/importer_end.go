@@ -22,8 +22,12 @@ func (im *Importer) dropQueuedLocked(l *Lease) {
 		return
 	}
 	l.a.leases--
-	im.sendReleaseLocked(l.seq, nil)
-	if l.a.leases == 0 && (l.a.retired || im.gone || im.state != stateOpen) {
+	if l.a.lost.Load() {
+		im.stats.ReleasesDropped++
+	} else {
+		im.sendReleaseLocked(l.seq, nil)
+	}
+	if l.a.leases == 0 && (l.a.retired || l.a.lost.Load() || im.gone || im.state != stateOpen) {
 		im.closeAllocLocked(l.a)
 	}
 }
@@ -57,6 +61,7 @@ func (im *Importer) endLocked(err error) {
 		im.ending.Store(true)
 		im.ended = err
 		close(im.stop)
+		im.endLife() // a reconnection under way gives up
 		// A Next that reads the connection returns (importer_read.go).
 		connInterrupt(im.conn)
 	}
@@ -67,9 +72,15 @@ func (im *Importer) endLocked(err error) {
 func (im *Importer) onEnd(err error) {
 	im.mu.Lock()
 	defer im.mu.Unlock()
+	if im.state == stateOpen && im.policy != nil && im.comesBack(err) {
+		im.loseLocked(err)
+		return
+	}
 	im.gone = true
 	if im.state == stateOpen {
 		switch {
+		case err == io.EOF && im.byeCode == transport.GoodbyeRestarting:
+			im.endLocked(fmt.Errorf("%w (goodbye: %q): %w", ErrProducerGone, im.byeWhy, ErrProducerRestarting))
 		case err == io.EOF:
 			im.endLocked(fmt.Errorf("%w (goodbye: %q): %w", ErrProducerGone, im.byeWhy, io.EOF))
 		default:
@@ -169,6 +180,10 @@ func (im *Importer) freeEvents() error {
 		}
 		delete(im.events, h)
 	}
+	for _, ev := range im.stale {
+		err = errors.Join(err, ev.Close())
+	}
+	im.stale = nil
 	return err
 }
 
@@ -189,9 +204,13 @@ func (im *Importer) Close() error {
 func (im *Importer) close(ctx context.Context, reason string) error {
 	im.mu.Lock()
 	if im.state == stateClosed {
+		recvDone, bgDone, reconDone := im.recvDone, im.bgDone, im.reconDone
 		im.mu.Unlock()
-		<-im.recvDone
-		<-im.bgDone
+		<-recvDone
+		<-bgDone
+		if reconDone != nil {
+			<-reconDone
+		}
 		return nil
 	}
 	im.state = stateClosed
@@ -200,8 +219,13 @@ func (im *Importer) close(ctx context.Context, reason string) error {
 	for _, a := range im.allocs {
 		im.closeAllocLocked(a)
 	}
+	for a := range im.lost {
+		im.closeAllocLocked(a)
+	}
 	gone := im.gone
 	im.gone = true // nothing more is sent but the goodbye
+	// No reconnection replaces them once the state is closed.
+	conn, recvDone, bgDone, reconDone := im.conn, im.recvDone, im.bgDone, im.reconDone
 	im.mu.Unlock()
 	var err error
 	if !gone {
@@ -209,19 +233,22 @@ func (im *Importer) close(ctx context.Context, reason string) error {
 		// connected until the producer has read it and closed (or ctx
 		// ends), so that its writes meanwhile cannot fail and lose the
 		// goodbye, which would make it wait for this process to exit.
-		if serr := im.conn.SendGoodbye(ctx, reason); serr == nil {
+		if serr := conn.SendGoodbye(ctx, reason); serr == nil {
 			select {
-			case <-im.recvDone:
+			case <-recvDone:
 			case <-ctx.Done():
 			}
 		} else if !errors.Is(serr, transport.ErrClosed) && !errors.Is(serr, transport.ErrDisconnected) {
 			err = serr
 		}
 	}
-	im.conn.Close()
+	conn.Close()
 	im.pushTimer.Stop()
-	<-im.recvDone
-	<-im.bgDone
+	<-recvDone
+	<-bgDone
+	if reconDone != nil {
+		<-reconDone
+	}
 	err = errors.Join(err, im.closeEvents())
 	im.mu.Lock()
 	im.syncReleasesLocked()

@@ -17,9 +17,10 @@ import (
 // ends.
 
 // readLoop is the background reader.
-func (im *Importer) readLoop() {
-	defer close(im.bgDone)
-	im.rd.background(im.stop, im.recvDone, im.readBackground)
+// recvDone and bgDone are its connection's.
+func (im *Importer) readLoop(recvDone, bgDone chan struct{}) {
+	defer close(bgDone)
+	im.rd.background(im.stop, recvDone, im.readBackground)
 }
 
 // readFor reads the connection for Next, as the token's holder, until an
@@ -155,7 +156,7 @@ func (im *Importer) onMessage(m *transport.Message) (*Lease, error) {
 		im.onRetire(m.AllocID)
 	case transport.KindGoodbye:
 		im.mu.Lock()
-		im.byeWhy = m.Reason
+		im.byeWhy, im.byeCode = m.Reason, m.ByeCode
 		im.mu.Unlock()
 		return nil, io.EOF
 	}

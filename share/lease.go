@@ -124,11 +124,30 @@ func blockCollected(st *blockState) {
 // base plus the buffer's offset in its allocation. After Release (or
 // ReleaseAfter) it is 0, so that a use after release fails in the driver
 // instead of reading a buffer the producer may be writing.
+//
+// A lease of legacy IPC memory whose producer is gone has no memory any
+// more: its Ptr is 0 too, and Err says why.
 func (l *Lease) Ptr() driver.DevicePtr {
-	if l.done.Load() {
+	if l.done.Load() || l.a != nil && l.a.dead() {
 		return 0
 	}
 	return l.ptr
+}
+
+// Err reports whether the lease's memory can still be used: nil while
+// it can; an error matching ErrReleased after Release; ErrClosed after
+// the importer's Close (which closed its mapping); ErrProducerGone when
+// its producer is gone and the memory with it (legacy IPC: with VMM
+// sharing the lease's own mapping keeps the memory, and a lease of a
+// producer gone stays usable until released).
+func (l *Lease) Err() error {
+	if l == nil || l.st == nil {
+		return errors.New("share: a lease Next did not hand out")
+	}
+	if l.done.Load() {
+		return fmt.Errorf("share: lease %d: %w", l.seq, ErrReleased)
+	}
+	return l.unmapped()
 }
 
 // Size is the buffer's length in bytes.
@@ -197,6 +216,11 @@ func (l *Lease) WaitOn(s *driver.Stream) error {
 	if err := l.unmapped(); err != nil {
 		return err // its event is closed too
 	}
+	if l.a.lost.Load() {
+		// Its producer is gone: no write of it is pending any more, and
+		// its event may be destroyed.
+		return nil
+	}
 	if err := s.WaitEvent(l.ev); err != nil {
 		return fmt.Errorf("share: make a stream wait for the producer's event: %w", err)
 	}
@@ -221,7 +245,7 @@ func (l *Lease) ReleaseAfter(s *driver.Stream) error {
 		return nil
 	}
 	im := l.st.im
-	if !im.relEvOK {
+	if !im.relEvOK.Load() {
 		err := s.Synchronize()
 		l.Release()
 		return err

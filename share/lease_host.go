@@ -93,6 +93,9 @@ func CopyElements[T Element](l *Lease, dst []T) (int, error) {
 // and with it the lease's mapping: the pointer may meanwhile name other
 // memory, so nothing may be read through it. A Close that runs during a
 // copy is the caller's race, as for any use of Ptr.
+//
+// A lease of legacy IPC memory whose producer is gone returns an error
+// matching ErrProducerGone: that memory was freed with its producer.
 func (l *Lease) unmapped() error {
 	im := l.st.im
 	im.mu.Lock()
@@ -100,6 +103,9 @@ func (l *Lease) unmapped() error {
 	im.mu.Unlock()
 	if closed {
 		return fmt.Errorf("share: lease %d: the importer was closed and its mapping with it: %w", l.seq, ErrClosed)
+	}
+	if l.a.dead() {
+		return fmt.Errorf("share: lease %d: its producer is gone, and its legacy IPC memory with it: %w", l.seq, ErrProducerGone)
 	}
 	return nil
 }

@@ -24,11 +24,14 @@ type Peer struct {
 	// Devices are the UUIDs of the devices the peer named in its
 	// handshake: a Go producer the one it offers from.
 	Devices []driver.UUID
+	// Session is a producer's session id (PROTOCOL.md, section 7.2):
+	// random per producer instance, new when it restarts. 0: unknown.
+	Session uint64
 }
 
 func (p Peer) String() string { return fmt.Sprintf("pid %d uid %d", p.PID, p.UID) }
 
 // peerOf copies a transport Peer; the devices are the copy's own.
 func peerOf(p transport.Peer) Peer {
-	return Peer{UID: p.UID, GID: p.GID, PID: p.PID, InstanceID: p.InstanceID, Devices: slices.Clone(p.Devices)}
+	return Peer{UID: p.UID, GID: p.GID, PID: p.PID, InstanceID: p.InstanceID, Devices: slices.Clone(p.Devices), Session: p.Session}
 }

@@ -21,8 +21,9 @@ import (
 // the allocation and no lease of theirs is in it, when the producer is
 // gone, and when they close.
 //
-// Entries are keyed by the producer's identity (pid and the random
-// instance id of its handshake, so a restarted producer never hits the
+// Entries are keyed by the producer's identity (pid, the random
+// instance id of its handshake and its session id, so a restarted
+// producer, whose allocation ids and handles may repeat, never hits the
 // mappings of the one before it), the device that holds the memory, the
 // device that maps it, and the 64 handle bytes. A Registry may be shared
 // by the importers of one process, which then share mappings; the driver
@@ -42,6 +43,7 @@ type Registry struct {
 type regKey struct {
 	pid      int32
 	inst     [16]byte
+	session  uint64 // the producer's session (PROTOCOL.md, section 3): a restarted producer's ids start again
 	src, dst driver.UUID
 	handle   transport.Handle
 }

@@ -83,8 +83,14 @@ func (im *Importer) releaseLocked(a *impAlloc, seq uint64, after *relEvent) {
 		return // force-closed by Close
 	}
 	a.leases--
-	im.sendReleaseLocked(seq, after)
-	if a.leases == 0 && (a.retired || im.gone || im.state == stateClosed) {
+	if a.lost.Load() {
+		// Its producer is gone: no one waits for the release, and the
+		// producer connected now never lent it.
+		im.stats.ReleasesDropped++
+	} else {
+		im.sendReleaseLocked(seq, after)
+	}
+	if a.leases == 0 && (a.retired || a.lost.Load() || im.gone || im.state == stateClosed) {
 		im.closeAllocLocked(a)
 	}
 }

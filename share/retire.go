@@ -188,6 +188,7 @@ func (e *Exporter) Shutdown(ctx context.Context) error {
 			done = append(done, c)
 		}
 	}
+	bye, reason := e.goodbyeLocked()
 	e.mu.Unlock()
 	for _, c := range stuck {
 		e.kick(c, fmt.Errorf("%w: the producer shut down before this consumer released its leases and closed its mappings", transport.ErrTimeout))
@@ -203,7 +204,7 @@ func (e *Exporter) Shutdown(ctx context.Context) error {
 	// when it reads the goodbye): closing first could make a consumer's
 	// last write fail before it has read the goodbye.
 	for _, c := range done {
-		c.conn.SendGoodbye(byeCtx, "producer shut down")
+		c.conn.SendGoodbyeCode(byeCtx, bye, reason)
 	}
 	for _, c := range done {
 		select {
