@@ -240,8 +240,8 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 		failed:   make(map[uint64]error),
 		events:   make(map[transport.Handle]*driver.Event),
 		relEvs:   make(map[*driver.Stream]*relEvent),
-		pushAt:  max(1, int(cfg.Credits)/4),
-		path:    path, tcfg: tcfg, policy: pol,
+		pushAt:   max(1, int(cfg.Credits)/4),
+		path:     path, tcfg: tcfg, policy: pol,
 		session: sessionOf(conn.Peer()),
 		lost:    make(map[*impAlloc]struct{}),
 	}
