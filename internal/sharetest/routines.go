@@ -43,6 +43,8 @@ const (
 	ParamProfile   = "SHARE_CPUPROFILE"    // any child: write a CPU profile to this file
 	ParamSharing   = "SHARE_SHARING"       // producer: "ipc", "vmm" or "auto" (auto)
 	ParamLinger    = "SHARE_LINGER"        // consumer: "1": once its connection ends, stay (and keep what it mapped) until stdin closes
+	ParamRestart   = "SHARE_RESTART_EVERY" // producer: restart (Exporter.Restart, then a new exporter at the same path) after every this many offers (0)
+	ParamRestarts  = "SHARE_RESTARTS"      // producer: with ParamRestart, at most this many restarts (1)
 )
 
 // ChildEnv is what a routine gets.
@@ -155,7 +157,7 @@ func producer(ce *ChildEnv) error {
 	if err != nil {
 		return err
 	}
-	defer e.Close()
+	defer func() { e.Close() }() // the last one's
 	fmt.Println("LISTENING")
 	wctx, cancel := context.WithTimeout(ctx, ExpectTimeout)
 	defer cancel()
@@ -164,6 +166,7 @@ func producer(ce *ChildEnv) error {
 	}
 	n, size := Param(ParamRing, 4), uint64(Param(ParamSize, 4096))
 	count, retireAt := Param(ParamCount, 0), Param(ParamRetire, 0)
+	restartEvery, restarts := Param(ParamRestart, 0), Param(ParamRestarts, 1)
 	sleep := time.Duration(Param(ParamSleep, 0)) * time.Microsecond
 	broadcast := os.Getenv(ParamBroadcast) == "1"
 	var opts share.OfferOptions
@@ -234,6 +237,29 @@ func producer(ce *ChildEnv) error {
 				}
 			}()
 			fmt.Println("RETIRING")
+		}
+		if restartEvery > 0 && (i+1)%restartEvery == 0 && restarts > 0 {
+			// A restart on purpose, in this process: the consumers are
+			// told to come back, and a new exporter (a new session,
+			// whose allocation ids start again) takes the path.
+			restarts--
+			retiring.Wait()
+			rctx, cancel := context.WithTimeout(ctx, ExpectTimeout)
+			err := e.Restart(rctx)
+			cancel()
+			if err != nil {
+				return fmt.Errorf("restart: %w", err)
+			}
+			if e, err = share.NewExporter(ctx, ce.Ctx, os.Getenv(ParamPath), share.ExporterConfig{Logger: ce.Log, Sharing: sharing}); err != nil {
+				return err
+			}
+			fmt.Println("RESTARTED")
+			if err := e.WaitConsumers(wctx, Param(ParamConsumers, 1)); err != nil {
+				return err
+			}
+			if ring, err = e.NewRing(n, size); err != nil {
+				return err
+			}
 		}
 		if sleep > 0 {
 			time.Sleep(sleep)
