@@ -304,3 +304,75 @@ func TestReconnectFirstProducerLate(t *testing.T) {
 	}
 	l.Release()
 }
+
+// TestReconnectPoolNeverHandsDeadLease proves that a pool's handler never
+// gets a legacy IPC lease of a producer gone: while the only worker holds
+// a lease, the producer is killed with more leases queued for it, and a
+// new one starts; the held lease then says ErrProducerGone, and every
+// lease the handler gets after it is the new producer's, alive and right,
+// from its first batch on.
+func TestReconnectPoolNeverHandsDeadLease(t *testing.T) {
+	env := sharetest.Setup(t)
+	path := sharetest.SocketPath(t)
+	p := startProducer(t, path, share.SharingIPC)
+	ctx := sharetest.Ctx(t)
+	im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 4, Reconnect: &share.ReconnectPolicy{Deadline: time.Minute}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	holding, resume := make(chan struct{}), make(chan struct{})
+	var calls int
+	var firstErr error
+	pctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	ran := make(chan error, 1)
+	go func() {
+		ran <- pool.Run(pctx, im, 1, func(_ context.Context, l *share.Lease) error {
+			calls++
+			if calls == 1 {
+				close(holding)
+				<-resume
+				firstErr = l.Err()
+				return nil
+			}
+			if err := l.Err(); err != nil {
+				t.Errorf("handler call %d got a lease that is not alive: %v", calls, err)
+				return nil
+			}
+			n, _ := sharetest.ParseMeta(l.Meta())
+			if calls == 2 && (n != 0 || l.Generation() != 1) {
+				t.Errorf("the first lease after the reconnection is batch %d, generation %d: want the new producer's first", n, l.Generation())
+			}
+			if err := sharetest.Check(env.Ctx, l.Ptr(), l.Size(), n); err != nil {
+				t.Errorf("batch %d: %v", n, err)
+			}
+			if calls == 10 {
+				cancel()
+			}
+			return nil
+		})
+	}()
+	<-holding
+	// The producer goes on offering up to the credits while the worker
+	// holds its lease: those it killed with are queued, or in flight.
+	p.Kill()
+	p2 := startProducer(t, path, share.SharingIPC)
+	defer p2.Kill()
+	for im.Stats().Reconnects == 0 {
+		select {
+		case <-ctx.Done():
+			t.Fatal("no reconnection")
+		case <-time.After(time.Millisecond):
+		}
+	}
+	close(resume)
+	if err := <-ran; err != nil && !errors.Is(err, context.Canceled) {
+		t.Fatalf("pool: %v", err)
+	}
+	if !errors.Is(firstErr, share.ErrProducerGone) {
+		t.Fatalf("the lease held across the kill: Err %v, want ErrProducerGone", firstErr)
+	}
+	if calls < 10 {
+		t.Fatalf("%d handler calls, want 10", calls)
+	}
+}
