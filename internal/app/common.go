@@ -30,6 +30,7 @@ const (
 	ExitNoPeerAccess = 6 // consumer: its GPU cannot map the producer's GPU memory
 	ExitRefused      = 7 // consumer: refused (another user, protocol version mismatch, a limit)
 	ExitDropped      = 8 // consumer: the producer dropped it (a lease held past its lease timeout, a protocol error)
+	ExitRestarted    = 9 // consumer: the producer restarted (its goodbye said so) and -reconnect is off
 )
 
 const exitCodesHelp = `exit codes:
@@ -41,12 +42,15 @@ const exitCodesHelp = `exit codes:
   3  no CUDA driver or GPU (or no such -device); -driver sim runs without one
   4  producer: cannot listen on the socket (in use, or an unsafe directory);
      consumer: no producer at the socket
-  5  consumer: the producer went away without saying goodbye (killed or crashed)
+  5  consumer: the producer went away without saying goodbye (killed or crashed);
+     with -reconnect, no producer came back within its deadline
   6  consumer: its GPU has no peer access to the producer's GPU
   7  consumer: refused by the producer (another user, or too many connections
      from this process) or protocol version mismatch
   8  consumer: dropped by the producer: it held a batch past the producer's
      -lease-timeout, or broke the protocol
+  9  consumer: the producer restarted (SIGHUP; its goodbye said it comes back)
+     and -reconnect is off
 `
 
 // DefaultSocket is where the producer listens and the consumer dials

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -41,6 +42,7 @@ type consumerConfig struct {
 	count           uint64
 	duration        time.Duration
 	wait            time.Duration
+	reconnect       time.Duration
 	work            time.Duration
 	readTest        uint64
 	readReps        int
@@ -108,6 +110,7 @@ func RunConsumer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.Uint64Var(&cfg.count, "count", 0, "stop after this many batches (0: until the producer ends)")
 	fs.DurationVar(&cfg.duration, "duration", 0, "stop after this long (0: until the producer ends)")
 	fs.DurationVar(&cfg.wait, "wait", 0, "wait this long for the producer's socket to appear (0: fail at once if it is not there)")
+	fs.DurationVar(&cfg.reconnect, "reconnect", 0, "keep going through a producer's restart: when the producer vanishes (killed, crashed) or restarts (SIGHUP), wait up to this long for a producer to listen at -socket again and go on with its batches; also wait this long for a first producer (0: off: end with exit code 5, or 9 at a restart)")
 	fs.DurationVar(&cfg.work, "work", 0, "pretend each batch takes this long to process (holding its buffer)")
 	fs.Var(sizeFlag{&cfg.readTest}, "read-test", "instead of consuming batches, time reading one shared buffer of this size against a local one (e.g. 1GiB)")
 	fs.IntVar(&cfg.readReps, "read-reps", 21, "repeats of each read in -read-test; the median counts")
@@ -132,6 +135,9 @@ func RunConsumer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 		return ExitUsage
 	case cfg.writeTimeout < 0:
 		fmt.Fprintln(stderr, "consumer: -write-timeout must not be negative")
+		return ExitUsage
+	case cfg.reconnect < 0:
+		fmt.Fprintln(stderr, "consumer: -reconnect must not be negative")
 		return ExitUsage
 	case cfg.reportEvery < 0:
 		fmt.Fprintln(stderr, "consumer: -report-every must not be negative")
@@ -188,6 +194,7 @@ type consumer struct {
 	bufs         sync.Pool // *[]byte of 16, for the bytes copied back
 	async        asyncState
 
+	imp      atomic.Pointer[share.Importer] // for the progress lines
 	mu       sync.Mutex
 	seen     map[driver.DevicePtr]struct{}
 	stopWhy  string
@@ -217,6 +224,7 @@ func (c *consumer) run(ctx context.Context, stdout io.Writer, showProgress bool)
 	if err != nil {
 		return err
 	}
+	c.imp.Store(imp)
 	c.rep.ProducerDevice = producerDevice(imp)
 	c.rep.SameDevice = c.rep.ProducerDevice == c.rep.DeviceUUID
 	c.rep.SHM = imp.Shm()
@@ -246,6 +254,8 @@ func (c *consumer) run(ctx context.Context, stdout io.Writer, showProgress bool)
 	serr := imp.Shutdown(sctx)
 	cancel()
 	c.mappings = imp.Registry().Stats().Opens
+	st := imp.Stats()
+	c.rep.Reconnects, c.rep.ReleasesDropped = st.Reconnects, st.ReleasesDropped
 	if runErr == nil && serr != nil {
 		runErr = fmt.Errorf("shut down the importer: %w", serr)
 	}
@@ -255,11 +265,15 @@ func (c *consumer) run(ctx context.Context, stdout io.Writer, showProgress bool)
 // dial connects to the producer, waiting up to -wait for it to appear
 // (share.ImporterConfig.DialWait).
 func (c *consumer) dial(ctx context.Context, dctx *driver.Context, stream *driver.Stream) (*share.Importer, error) {
-	imp, err := share.Dial(ctx, c.cfg.socket, dctx, share.ImporterConfig{
+	icfg := share.ImporterConfig{
 		Credits: uint32(c.cfg.credits), Stream: stream, Logger: c.log, WriteTimeout: c.cfg.writeTimeout,
 		DisableShm: !c.cfg.shm, ShmSpin: c.cfg.spin,
 		DialWait: c.cfg.wait,
-	})
+	}
+	if c.cfg.reconnect > 0 {
+		icfg.Reconnect = &share.ReconnectPolicy{Deadline: c.cfg.reconnect}
+	}
+	imp, err := share.Dial(ctx, c.cfg.socket, dctx, icfg)
 	if err == nil {
 		return imp, nil
 	}
@@ -489,10 +503,15 @@ func (c *consumer) reportLoop(w io.Writer, done <-chan struct{}) {
 		case <-done:
 			return
 		case <-t.C:
-			writeJSON(w, &ConsumerProgress{
+			p := ConsumerProgress{
 				Role: "consumer-progress", Handoffs: c.handoffs.Load(), Bytes: c.bytes.Load(),
 				VerifyErrors: c.verifyErrors.Load(), Errors: c.errs.Load(), Seconds: seconds(time.Since(start)),
-			})
+				Goroutines: runtime.NumGoroutine(),
+			}
+			if imp := c.imp.Load(); imp != nil {
+				p.Reconnects = imp.Stats().Reconnects
+			}
+			writeJSON(w, &p)
 		}
 	}
 }
@@ -674,4 +693,8 @@ func (c *consumer) summary(w io.Writer) {
 		r.Handoffs, r.Seconds, r.HandoffsPerS, r.P50us, r.P99us, humanBytes(r.Bytes))
 	fmt.Fprintf(w, "consumer: verify %s: %d verified, %d wrong, %d unreadable; %d buffer(s), %d mapping(s); ended: %s\n",
 		r.Verify, r.Verified, r.VerifyErrors, r.Errors, r.BuffersSeen, r.Mappings, r.End)
+	if r.Reconnects > 0 {
+		fmt.Fprintf(w, "consumer: %d reconnection(s) to a producer that took the last one's place; %d release(s) of batches whose producer was gone went nowhere\n",
+			r.Reconnects, r.ReleasesDropped)
+	}
 }

@@ -224,6 +224,10 @@ func explainEnd(path string, err error, batches uint64) (end string, _ error) {
 		return "producer stopped reading", fail(ExitProducerGone, err, "the producer at %s stopped reading this consumer's messages for longer than -write-timeout after %d batches (stopped or stuck); this consumer gave up", path, batches)
 	case errors.Is(err, share.ErrIPCNamespace):
 		return "error", fail(ExitFailure, err, "the producer at %s shares its buffers with legacy CUDA IPC, and legacy CUDA IPC handles do not open between processes in sibling PID namespaces (separate containers): CUDA_ERROR_INVALID_CONTEXT; run the producer with -sharing vmm (or CUDASHARE_SHARING=vmm), whose file descriptors cross PID namespaces", path)
+	case errors.Is(err, share.ErrReconnectDeadline):
+		return "producer did not come back", fail(ExitProducerGone, err, "the producer at %s went away after %d batches, and no producer came back within -reconnect; this consumer gave up", path, batches)
+	case errors.Is(err, share.ErrProducerRestarting):
+		return "producer restarted", fail(ExitRestarted, err, "the producer at %s restarted after %d batches (its goodbye said it comes back); run the consumer with -reconnect DURATION to wait for it and go on", path, batches)
 	case errors.Is(err, share.ErrProducerGone):
 		return "producer vanished", fail(ExitProducerGone, err, "the producer at %s went away without saying goodbye (killed or crashed) after %d batches", path, batches)
 	}

@@ -6,7 +6,11 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
+	"os/signal"
 	"runtime"
+	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
@@ -21,6 +25,12 @@ number, record an interprocess event after the fill, and offer it. The buffer
 comes back by itself once the consumer releases it. At the end (-count,
 -duration, SIGINT or SIGTERM) the producer retires every buffer and frees it
 only after every consumer has closed its mapping.
+
+SIGHUP restarts it on purpose, in this process: the producer shuts down as at
+the end, but its goodbye tells the consumers that it comes back (a consumer
+with -reconnect waits for it, one without exits with code 9); then it opens a
+new exporter at the same socket, a new session whose buffers are new, and
+goes on with the batches (numbered from 0 again).
 `
 
 type producerConfig struct {
@@ -183,41 +193,76 @@ func (p *producer) run(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	exp, err := share.NewExporter(ctx, dev.ctx, p.cfg.socket, share.ExporterConfig{
-		Sharing:              sharing,
-		Logger:               p.log,
-		LeaseTimeout:         p.cfg.leaseTimeout,
-		MaxLeasesPerConsumer: p.cfg.maxLeases,
-		WriteTimeout:         p.cfg.writeTimeout,
-		DisableShm:           !p.cfg.shm,
-		ShmSpin:              p.cfg.spin,
-	})
-	if err != nil {
-		return explainListen(p.cfg.socket, err)
-	}
-	sh, why := exp.Sharing()
-	p.rep.Sharing, p.rep.SharingWhy = sh.String(), why
-	p.log.Info("listening", "socket", exp.Addr(), "driver", dev.d.Backend(), "device", p.cfg.device, "uuid", dev.dev.UUID(),
-		"sharing", p.rep.Sharing, "why", p.rep.SharingWhy)
+	// SIGHUP restarts the exporter on purpose (see producerSummary).
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP)
+	defer signal.Stop(hup)
+	var cur atomic.Pointer[share.Exporter]
 	if p.cfg.reportEvery > 0 {
 		// No progress line may follow the final report.
-		defer runLoop(func(done <-chan struct{}) { p.reportLoop(exp, done) })()
+		defer runLoop(func(done <-chan struct{}) { p.reportLoop(&cur, done) })()
 	}
+	var before share.ExporterStats // of the exporters before a restart
+	var exp *share.Exporter
+	var runErr, shutErr error
+	var took time.Duration
+	for {
+		exp, err = share.NewExporter(ctx, dev.ctx, p.cfg.socket, share.ExporterConfig{
+			Sharing:              sharing,
+			Logger:               p.log,
+			LeaseTimeout:         p.cfg.leaseTimeout,
+			MaxLeasesPerConsumer: p.cfg.maxLeases,
+			WriteTimeout:         p.cfg.writeTimeout,
+			DisableShm:           !p.cfg.shm,
+			ShmSpin:              p.cfg.spin,
+		})
+		if err != nil {
+			return explainListen(p.cfg.socket, err)
+		}
+		cur.Store(exp)
+		sh, why := exp.Sharing()
+		p.rep.Sharing, p.rep.SharingWhy = sh.String(), why
+		p.log.Info("listening", "socket", exp.Addr(), "driver", dev.d.Backend(), "device", p.cfg.device, "uuid", dev.dev.UUID(),
+			"sharing", p.rep.Sharing, "why", p.rep.SharingWhy, "session", fmt.Sprintf("%#x", exp.Session()))
 
-	// From here every path ends in Shutdown: nothing is freed while a
-	// consumer may still map it, and everything is freed once none does.
-	runErr := p.serve(ctx, exp, dev.ctx, stream)
-	if err := stream.Synchronize(); err != nil && runErr == nil {
-		runErr = fmt.Errorf("synchronize the fill stream: %w", err)
+		// From here every path ends in Shutdown (or Restart): nothing is
+		// freed while a consumer may still map it, and everything is freed
+		// once none does.
+		serveCtx, stopServe := context.WithCancel(ctx)
+		var restart atomic.Bool
+		go func() {
+			select {
+			case <-hup:
+				restart.Store(true)
+				stopServe()
+			case <-serveCtx.Done():
+			}
+		}()
+		runErr = p.serve(serveCtx, exp, dev.ctx, stream)
+		stopServe()
+		if err := stream.Synchronize(); err != nil && runErr == nil {
+			runErr = fmt.Errorf("synchronize the fill stream: %w", err)
+		}
+		restarting := restart.Load() && runErr == nil && ctx.Err() == nil
+		sctx, cancel := context.WithTimeout(context.Background(), p.cfg.shutdownTimeout)
+		t0 := time.Now()
+		if restarting {
+			shutErr = exp.Restart(sctx)
+		} else {
+			shutErr = exp.Shutdown(sctx)
+		}
+		cancel()
+		took = time.Since(t0)
+		if !restarting || shutErr != nil || exp.Stats().Allocations > 0 {
+			break
+		}
+		before = addStats(before, exp.Stats())
+		p.rep.Restarts++
+		p.log.Info("restarting on SIGHUP: the consumers were told to come back; a new exporter takes the socket", "restarts", p.rep.Restarts)
 	}
-	sctx, cancel := context.WithTimeout(context.Background(), p.cfg.shutdownTimeout)
-	t0 := time.Now()
-	shutErr := exp.Shutdown(sctx)
-	cancel()
-	took := time.Since(t0)
 	p.rep.ShutdownSeconds = seconds(took)
 
-	st := exp.Stats()
+	st := addStats(before, exp.Stats())
 	p.rep.Offers, p.rep.Releases, p.rep.BytesOffered = st.Offers, st.Releases, st.BytesOffered
 	p.rep.ConsumersLost, p.rep.Retired = st.ConsumersLost, st.Retired
 	p.rep.ConsumersDropped, p.rep.BroadcastMissed = st.ConsumersDropped, st.BroadcastMissed
@@ -480,7 +525,7 @@ func (p *producer) offer(ctx context.Context, exp *share.Exporter, b *share.Buff
 // reportLoop prints a ProducerProgress line every -report-every until
 // done: how a script (or the soak test) watches a long-running producer's
 // consumers and whether anything grows that should not.
-func (p *producer) reportLoop(exp *share.Exporter, done <-chan struct{}) {
+func (p *producer) reportLoop(cur *atomic.Pointer[share.Exporter], done <-chan struct{}) {
 	start := time.Now()
 	t := time.NewTicker(p.cfg.reportEvery)
 	defer t.Stop()
@@ -489,7 +534,7 @@ func (p *producer) reportLoop(exp *share.Exporter, done <-chan struct{}) {
 		case <-done:
 			return
 		case <-t.C:
-			st := exp.Stats()
+			st := cur.Load().Stats()
 			writeJSON(p.stdout, &ProducerProgress{
 				Role: "producer-progress", Offers: st.Offers, Consumers: st.Consumers, Leases: st.Leases,
 				ConsumersLost: st.ConsumersLost, ConsumersDropped: st.ConsumersDropped,
@@ -522,4 +567,21 @@ func (p *producer) summary(w io.Writer) {
 		left = fmt.Sprintf("%d LEFT ALLOCATED", r.AllocationsLeft)
 	}
 	fmt.Fprintf(w, "producer: shut down in %.2fs: %d allocation(s) retired and freed, %s\n", r.ShutdownSeconds, r.Retired, left)
+}
+
+// addStats adds the counters of a later exporter to those of the ones
+// before it (a restart); the gauges are the later one's.
+func addStats(a, b share.ExporterStats) share.ExporterStats {
+	b.Offers += a.Offers
+	b.Releases += a.Releases
+	b.BytesOffered += a.BytesOffered
+	b.ConsumersLost += a.ConsumersLost
+	b.ConsumersDropped += a.ConsumersDropped
+	b.ConsumersFailed += a.ConsumersFailed
+	b.BroadcastMissed += a.BroadcastMissed
+	b.OrderedReleases += a.OrderedReleases
+	b.Retired += a.Retired
+	b.Abandoned += a.Abandoned
+	b.Replaced += a.Replaced
+	return b
 }

@@ -56,6 +56,7 @@ type ProducerReport struct {
 	// Arenas (-fresh) replaced because lost consumers held so much of one
 	// that a batch could never fit there again.
 	ArenasReplaced  uint64 `json:"arenas_replaced"`
+	Restarts        uint64 `json:"restarts"` // SIGHUP: restarts on purpose, each a new exporter (a new session) at the same socket
 	AllocationsLeft int    `json:"allocations_left"` // 0: everything it allocated was freed
 	LeasesLeft      int    `json:"leases_left"`
 
@@ -112,6 +113,8 @@ type ConsumerReport struct {
 	Errors          uint64    `json:"errors"`
 	BuffersSeen     int       `json:"buffers_seen"`          // distinct buffers (pointers) offered: reuse shows as few
 	Mappings        uint64    `json:"mappings"`              // IPC opens: one per allocation, not per batch
+	Reconnects      uint64    `json:"reconnects"`            // -reconnect: producers connected to after the first
+	ReleasesDropped uint64    `json:"releases_dropped"`      // releases of batches whose producer was gone: they went nowhere
 	AsyncWaits      *uint64   `json:"async_waits,omitempty"` // -verify async: times a worker waited for its checks' copy back
 	End             string    `json:"end"`
 	ReadTest        *ReadTest `json:"read_test,omitempty"`
@@ -128,7 +131,9 @@ type ConsumerProgress struct {
 	Bytes        uint64  `json:"bytes"`
 	VerifyErrors uint64  `json:"verify_errors"`
 	Errors       uint64  `json:"errors"`
-	Seconds      float64 `json:"seconds"` // since the batches started
+	Reconnects   uint64  `json:"reconnects"` // -reconnect: producers connected to after the first
+	Goroutines   int     `json:"goroutines"` // must not grow with producers that have come and gone
+	Seconds      float64 `json:"seconds"`    // since the batches started
 }
 
 // ProducerProgress is the line the producer prints every -report-every:
