@@ -56,7 +56,7 @@ type ProducerReport struct {
 	// Arenas (-fresh) replaced because lost consumers held so much of one
 	// that a batch could never fit there again.
 	ArenasReplaced  uint64 `json:"arenas_replaced"`
-	Restarts        uint64 `json:"restarts"` // SIGHUP: restarts on purpose, each a new exporter (a new session) at the same socket
+	Restarts        uint64 `json:"restarts"`         // SIGHUP: restarts on purpose, each a new exporter (a new session) at the same socket
 	AllocationsLeft int    `json:"allocations_left"` // 0: everything it allocated was freed
 	LeasesLeft      int    `json:"leases_left"`
 
