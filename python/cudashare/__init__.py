@@ -26,9 +26,11 @@ views and release, backends.py for the real and simulated drivers.
 """
 
 from .consumer import Consumer, connect, install_sigterm_handler
-from .errors import (Closed, CudashareError, DriverError, NotSupported, ProducerGone, ProtocolError, Timeout,
-                     ViewError)
+from .errors import (Closed, CudashareError, DriverError, NotSupported, ProducerGone, ProducerRestarting,
+                     ProtocolError, ReconnectDeadline, Timeout, ViewError)
 from .lease import Lease
+from .reconnect import ReconnectPolicy, Reconnecting
 
 __all__ = ["connect", "Consumer", "Lease", "install_sigterm_handler", "CudashareError", "ProtocolError",
-           "ProducerGone", "Closed", "Timeout", "NotSupported", "ViewError", "DriverError"]
+           "ProducerGone", "ProducerRestarting", "ReconnectDeadline", "Closed", "Timeout", "NotSupported",
+           "ViewError", "DriverError", "ReconnectPolicy", "Reconnecting"]

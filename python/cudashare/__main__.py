@@ -14,12 +14,13 @@ import time
 
 from . import connect
 from . import errors
-from .errors import Closed, CudashareError, DriverError, NotSupported, ProducerGone, ProtocolError, Timeout
+from .errors import (Closed, CudashareError, DriverError, NotSupported, ProducerGone, ProducerRestarting,
+                     ProtocolError, ReconnectDeadline, Timeout)
 
 # The Go consumer's exit statuses (internal/app/common.go), so that scripts
 # and the benchmark read both the same way.
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_DRIVER, EXIT_NO_PRODUCER, EXIT_PRODUCER_GONE = 0, 1, 2, 3, 4, 5
-EXIT_REFUSED, EXIT_DROPPED = 7, 8
+EXIT_REFUSED, EXIT_DROPPED, EXIT_RESTARTED = 7, 8, 9
 
 
 def _default_socket():
@@ -101,7 +102,7 @@ def consume(args, out):
     cpu0 = [None]  # the process's CPU time at the first receipt
     try:
         c = connect(args.socket, device=args.device, credits=args.credits, backend=args.driver, wait=args.wait,
-                    shm=args.shm)
+                    shm=args.shm, reconnect=args.reconnect or None)
     except KeyboardInterrupt:
         rep.update(end="signal", error="interrupted while connecting to %s" % args.socket, exit=EXIT_FAILURE)
         return rep
@@ -164,6 +165,11 @@ def consume(args, out):
         rep["end"] = "count" if args.batches and rep["handoffs"] >= args.batches else "producer said goodbye"
     except Closed:
         rep["end"] = "producer said goodbye"
+    except ReconnectDeadline as e:
+        rep["end"], err = "producer did not come back", (str(e), EXIT_PRODUCER_GONE)
+    except ProducerRestarting as e:
+        rep["end"], err = "producer restarted", ("%s; run with --reconnect SECONDS to wait for it and go on" % e,
+                                                 EXIT_RESTARTED)
     except ProducerGone as e:
         rep["end"], err = "producer vanished", (str(e), EXIT_PRODUCER_GONE)
     except ProtocolError as e:
@@ -182,6 +188,7 @@ def consume(args, out):
         st = c.stats()
         c.close()
     rep["mappings"] = st.get("mappings", 0)
+    rep["reconnects"] = st.get("reconnects", 0)
     rep["buffers_seen"] = len(seen)
     if times[0] is not None and times[1] is not None and times[1] > times[0]:
         secs = (times[1] - times[0]) / 1e9
@@ -226,13 +233,18 @@ def main(argv=None, restore_signals=True):
     cp.add_argument("--device", type=int, default=0)
     cp.add_argument("--driver", choices=["auto", "cuda", "sim"], default="auto")
     cp.add_argument("--wait", type=float, default=0.0, help="seconds to wait for the socket to appear")
+    cp.add_argument("--reconnect", type=float, default=0.0, metavar="SECONDS",
+                    help="keep going through a producer's restart: when it vanishes (killed, crashed) or restarts "
+                         "(its goodbye says it comes back), wait up to SECONDS for a producer at --socket and go on "
+                         "with its batches; also wait that long for a first producer (0: off: exit 5 when it "
+                         "vanishes, 9 when it restarts; 5 too when none came back within SECONDS)")
     cp.add_argument("--shm", type=_flag, default=None, metavar="true|false",
                     help="carry the messages through two lanes in memory shared with the producer, if it allows "
                          "them, instead of on the socket (as the Go consumer's -shm; default: only with "
                          "CUDASHARE_SHM=1, see cudashare/shm.py)")
     a = p.parse_args(argv)
-    if a.batches < 0 or a.workers < 1 or not 1 <= a.credits <= 1048576:
-        p.error("--batches >= 0, --workers >= 1, --credits 1 to 1048576")
+    if a.batches < 0 or a.workers < 1 or not 1 <= a.credits <= 1048576 or a.reconnect < 0:
+        p.error("--batches >= 0, --workers >= 1, --credits 1 to 1048576, --reconnect >= 0")
     # SIGTERM ends the run as SIGINT does: the leases in hand are released,
     # the mappings closed, goodbye said, and the report printed (exit 0, end
     # "signal"), as the Go consumer does.

@@ -31,7 +31,7 @@ import time
 import weakref
 
 from . import backends, shm, wire, errors
-from .errors import Closed, CudashareError, ProducerGone, ProtocolError, Timeout
+from .errors import Closed, CudashareError, ProducerGone, ProducerRestarting, ProtocolError, Timeout
 from .reader import BG_POLL, TICK, Reader
 from .releases import REAP_EVERY, Releases
 
@@ -57,7 +57,7 @@ _STOP_WAIT = 10.0
 
 
 def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeout=10.0,
-            frame_timeout=10.0, handle_sigterm=False, wait=0.0, shm=None, allowed_uids=None):
+            frame_timeout=10.0, handle_sigterm=False, wait=0.0, shm=None, allowed_uids=None, *, reconnect=None):
     """Connects to the producer listening at path and returns a Consumer.
 
     device: the GPU (this process's ordinal) to map buffers on. credits: the
@@ -77,7 +77,32 @@ def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeou
     effective uid only): a listener of another user, who could read or
     write what it offers, is told so (peer_refused) and ProtocolError is
     raised.
+
+    reconnect: keep going through a producer's restart, as the Go
+    importer's ImporterConfig.Reconnect: seconds (the deadline; 0: none) or
+    a ReconnectPolicy. When the producer vanishes, or says goodbye because
+    it restarts, the consumer connects again to the producer that takes its
+    place at path, and next() and iteration go on with its leases; one
+    that does not come back within the deadline ends them with
+    ReconnectDeadline (a ProducerGone). It also waits that long for a first
+    producer. Leases of the lost producer stay valid until released where
+    its memory lives on (vmm: this process's own mapping keeps it);
+    legacy IPC ones raise ProducerGone. None (the default): the consumer
+    ends with the producer (ProducerRestarting at a restart).
     """
+    if reconnect is not None:
+        from .reconnect import Reconnecting, ReconnectPolicy
+        policy = reconnect if isinstance(reconnect, ReconnectPolicy) else ReconnectPolicy(deadline=reconnect)
+        first_wait = max(wait, policy.deadline or 365 * 86400.0)
+
+        def dial(w):
+            return connect(path, device=device, credits=credits, backend=backend, timeout=timeout,
+                           write_timeout=write_timeout, frame_timeout=frame_timeout, wait=w, shm=shm,
+                           allowed_uids=allowed_uids)
+        c = Reconnecting(dial(first_wait), dial, policy, path)
+        if handle_sigterm:
+            install_sigterm_handler()
+        return c
     if shm is None:
         shm = os.environ.get("CUDASHARE_SHM", "") == "1"
     if not 1 <= credits <= wire.MAX_CREDITS:
@@ -196,6 +221,7 @@ class Consumer(Reader, Releases):
         self._window = credits
         self._end = None         # the exception that ended the connection
         self._bye_received = False
+        self._bye_code = wire.GOODBYE_DONE
         self._bye_sent = False
         self._eof = threading.Event()
         self._closed = False
@@ -454,8 +480,13 @@ class Consumer(Reader, Releases):
             raise self._protocol_fail(wire.malformed("hello-ack.devices: want an array of at most %d", wire.MAX_DEVICES))
         for d in devs:
             wire.binn(d, 16, "hello-ack.devices")
+        # The producer's session (PROTOCOL.md §3): None when it names none,
+        # an unknown session. A new producer's allocation ids start again:
+        # this consumer's allocation table is this connection's alone, so
+        # it never takes a new session's offer for an old mapping.
+        session = wire.uint(m[8], "hello-ack.session") if len(m) > 8 else None
         self.producer = {"pid": wire.uint(m[3], "hello-ack.pid"), "devices": devs,
-                         "caps": wire.uint(m[6], "hello-ack.capabilities")}
+                         "caps": wire.uint(m[6], "hello-ack.capabilities"), "session": session or None}
         # PROTOCOL.md §4.1, events and PID namespaces: a producer whose
         # pid reads 0 here lives in a sibling PID namespace (or one this
         # side cannot see), where the driver refuses interprocess events:
@@ -502,6 +533,10 @@ class Consumer(Reader, Releases):
                     raise self._end
                 if self._bye_received:
                     self._wake()
+                    if self._bye_code == wire.GOODBYE_RESTARTING:
+                        self._finish(ProducerRestarting("the producer at %s restarted (its goodbye said it comes "
+                                                        "back)" % self.path))
+                        raise self._end
                     raise Closed("the producer said goodbye")
                 if timeout is None:
                     left = 1.0
@@ -577,6 +612,11 @@ class Consumer(Reader, Releases):
                         first.append(e)
                     stop.set()
                     return
+                if lease._a.dead:
+                    # Its producer went away, and its legacy IPC memory with
+                    # it, since next() handed it out: fn never gets it.
+                    lease.release()
+                    continue
                 try:
                     fn(lease)
                 except BaseException as e:
@@ -700,6 +740,18 @@ class Consumer(Reader, Releases):
                 self._eof.wait(timeout)
         finally:
             self._teardown()
+
+    def _set_apart(self):
+        """Once the producer is gone and another takes its place
+        (reconnect.py): no mapping outlives its last lease, and legacy IPC
+        leases, whose memory died with the producer, say so."""
+        with self._lock:
+            for alloc_id, a in list(self._allocs.items()):
+                if a.mapping.kind == wire.HANDLE_IPC:
+                    a.dead = True
+                a.retired = True
+                if a.leases == 0 and not a.closed:
+                    self._close_alloc(alloc_id, a, answer=False)
 
     def _teardown(self):
         self._stop = True

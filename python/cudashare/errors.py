@@ -56,6 +56,17 @@ class ProducerGone(CudashareError):
     killed or crashed (PROTOCOL.md section 7)."""
 
 
+class ProducerRestarting(ProducerGone):
+    """The producer said goodbye because it restarts (PROTOCOL.md §4,
+    goodbye code restarting), and this consumer does not reconnect
+    (connect(reconnect=...) does). Not Closed: the stream did not end."""
+
+
+class ReconnectDeadline(ProducerGone):
+    """The producer went away and none came back at its path within the
+    reconnect deadline (connect(reconnect=...))."""
+
+
 class Closed(CudashareError):
     """The connection ended cleanly: the producer said goodbye, or this
     consumer was closed. Iteration over a consumer stops on it."""

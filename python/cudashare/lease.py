@@ -3,7 +3,7 @@
 import warnings
 
 from . import backends, dlpack, meta, views, wire
-from .errors import Closed, NotSupported
+from .errors import Closed, NotSupported, ProducerGone
 
 
 class Lease(wire.Offer):
@@ -51,6 +51,8 @@ class Lease(wire.Offer):
     def _check(self):
         if self.released:
             raise Closed("lease %d was released; its buffer belongs to the producer again" % self.seq)
+        if self._a.dead:
+            raise ProducerGone("lease %d: its producer is gone, and its legacy IPC (ipc) memory with it" % self.seq)
 
     def _wait(self, stream):
         """Orders stream after the producer's writes (its event), once."""

@@ -10,7 +10,7 @@ import time
 import weakref
 
 from . import wire, errors
-from .errors import Closed, CudashareError, ProducerGone, ProtocolError
+from .errors import Closed, CudashareError, ProducerGone, ProducerRestarting, ProtocolError
 from .lease import Lease
 
 import logging
@@ -26,7 +26,7 @@ BG_POLL = 0.05             # its poll while it reads and nothing is pending
 
 
 class _Alloc:
-    __slots__ = ("id", "mapping", "leases", "retired", "rel_events", "closed", "views")
+    __slots__ = ("id", "mapping", "leases", "retired", "rel_events", "closed", "views", "dead")
 
     def __init__(self, alloc_id, mapping):
         self.id = alloc_id
@@ -36,6 +36,7 @@ class _Alloc:
         self.rel_events = set()
         self.closed = False
         self.views = {}  # Lease.array's: (convert, offset, size[, dtype, shape]) -> (the framework's view, its views.Pin)
+        self.dead = False  # legacy IPC memory of a producer gone (set_apart): it died with it
 
 
 class Reader:
@@ -123,7 +124,9 @@ class Reader:
         self._wake()
 
     def _on_eof(self):
-        if self._bye_received or self._bye_sent:
+        if self._bye_received and self._bye_code == wire.GOODBYE_RESTARTING:
+            self._finish(ProducerRestarting("the producer at %s restarted (its goodbye said it comes back)" % self.path))
+        elif self._bye_received or self._bye_sent:
             self._finish(Closed("the producer said goodbye" if self._bye_received else "this consumer said goodbye"))
         else:
             self._finish(ProducerGone("the producer at %s went away without saying goodbye (killed or crashed)" % self.path))
@@ -193,8 +196,10 @@ class Reader:
         elif kind == wire.GOODBYE:
             wire.need(m, 2, "goodbye")
             reason = wire.text(m[1], "goodbye.reason")
-            log.debug("cudashare: producer said goodbye: %s", reason)
+            code = wire.uint(m[2], "goodbye.code") if len(m) > 2 else wire.GOODBYE_DONE
+            log.debug("cudashare: producer said goodbye (code %d): %s", code, reason)
             with self._lock:
+                self._bye_code = code if code == wire.GOODBYE_RESTARTING else wire.GOODBYE_DONE
                 self._bye_received = True
                 self._wake()
         elif kind == wire.ERROR:

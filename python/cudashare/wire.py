@@ -25,6 +25,10 @@ ROLE_CONSUMER = 2
 
 HELLO, HELLO_ACK, OFFER, RELEASE, RETIRE, CLOSED, CREDIT, GOODBYE, ERROR = range(1, 10)
 
+# What a goodbye's optional third element says comes next (PROTOCOL.md §4,
+# goodbye); an unknown code is GOODBYE_DONE.
+GOODBYE_DONE, GOODBYE_RESTARTING = 0, 1
+
 CAP_VMM = 1
 CAP_RELEASE_EVENTS = 2
 CAP_FABRIC = 4
