@@ -12,7 +12,7 @@ import (
 
 // This file is a producer's restart on purpose: the session id that tells
 // consumers one producer from the next, and the goodbye that asks them to
-// come back (PROTOCOL.md, sections 3 and 4, goodbye).
+// come back (PROTOCOL.md, sections 4, hello and goodbye, and 7.2).
 
 // newSession draws a producer's session id: random, 64 bits, never 0
 // (which means "unknown").

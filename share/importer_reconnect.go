@@ -20,7 +20,7 @@ import (
 // path again with backoff until a producer answers or the deadline
 // passes, and goes on with the new producer's leases.
 //
-// A new producer is a new session (PROTOCOL.md, section 3): its
+// A new producer is a new session (PROTOCOL.md, section 7.2): its
 // allocation ids and sequence numbers start again. So everything of the
 // lost producer is set apart before the new one is read: its mappings
 // leave the allocation table (those that leases are in stay mapped, as

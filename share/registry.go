@@ -43,7 +43,7 @@ type Registry struct {
 type regKey struct {
 	pid      int32
 	inst     [16]byte
-	session  uint64 // the producer's session (PROTOCOL.md, section 3): a restarted producer's ids start again
+	session  uint64 // the producer's session (PROTOCOL.md, section 7.2): a restarted producer's ids start again
 	src, dst driver.UUID
 	handle   transport.Handle
 }

@@ -21,7 +21,7 @@ type Config struct {
 	// most MaxWindow; a producer ignores it.
 	Credits uint32
 	// Session is a producer's session id, sent in its hello or
-	// hello-ack (PROTOCOL.md, section 3): random per producer instance
+	// hello-ack (PROTOCOL.md, sections 4, hello, and 7.2): random per producer instance
 	// (share.NewExporter draws one), so that consumers tell a restarted
 	// producer, whose allocation ids start again, from the one before
 	// it. 0 sends none; a consumer ignores it.

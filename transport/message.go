@@ -215,7 +215,7 @@ type Peer struct {
 	Devices []UUID
 	// Caps are the features the peer accepts.
 	Caps Caps
-	// Session is a producer's session id (PROTOCOL.md, section 3): random
+	// Session is a producer's session id (PROTOCOL.md, section 4, hello, and 7.2): random
 	// per producer instance, the same on all its connections, new when
 	// the producer restarts, whose allocation ids and sequence numbers
 	// start again. 0: the peer named none (a consumer, or a producer that

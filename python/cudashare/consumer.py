@@ -480,7 +480,7 @@ class Consumer(Reader, Releases):
             raise self._protocol_fail(wire.malformed("hello-ack.devices: want an array of at most %d", wire.MAX_DEVICES))
         for d in devs:
             wire.binn(d, 16, "hello-ack.devices")
-        # The producer's session (PROTOCOL.md §3): None when it names none,
+        # The producer's session (PROTOCOL.md §4 hello, §7.2): None when it names none,
         # an unknown session. A new producer's allocation ids start again:
         # this consumer's allocation table is this connection's alone, so
         # it never takes a new session's offer for an old mapping.

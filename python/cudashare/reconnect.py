@@ -1,7 +1,7 @@
 """A consumer that outlives its producer: connect(..., reconnect=...).
 
 Each connection is a Consumer of its own (consumer.py), for one producer
-session (PROTOCOL.md §3): when the producer vanishes, or says goodbye
+session (PROTOCOL.md §4 hello, §7.2): when the producer vanishes, or says goodbye
 because it restarts, the connection ends as it always did, and this
 wrapper dials the path again, with backoff, until a producer answers or
 the deadline passes. A new producer's allocation ids and sequence numbers
