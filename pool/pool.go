@@ -23,7 +23,11 @@ import (
 // may still be queued when the handler returns, otherwise it must have
 // been waited for. ctx ends with the pool's context, when a handler fails,
 // and when the producer drops this consumer or vanishes (its leases are
-// void then), but not at its goodbye.
+// void then), but not at its goodbye. With share.ImporterConfig.Reconnect
+// a vanished producer ends nothing: the workers go on with the leases of
+// the producer that takes its place, and never get a lease whose memory
+// died with its producer (legacy IPC: Lease.Err says ErrProducerGone,
+// which a handler that holds one across the loss sees).
 type Handler func(ctx context.Context, l *share.Lease) error
 
 // Config configures a pool. The zero value is one worker whose leases are
