@@ -276,7 +276,8 @@ func (im *Importer) Shm() bool {
 }
 
 // Done returns a channel that is closed once no more leases come: the
-// producer is gone (its goodbye, a drop, its death) or Shutdown or Close
+// producer is gone (its goodbye, a drop, its death; with a reconnect
+// policy, none came back within its deadline) or Shutdown or Close
 // began. Leases Next already returned stay valid until released; Err says why.
 func (im *Importer) Done() <-chan struct{} { return im.stop }
 
@@ -319,6 +320,13 @@ func (im *Importer) Stats() ImporterStats {
 // Shutdown or Close, ErrClosed. An offer that could not be mapped gives
 // its error (ErrPeerAccessUnsupported, ErrStaleHandle, ...) once, and the
 // offer is handed back to the producer; the importer goes on.
+//
+// With ImporterConfig.Reconnect, a producer that vanishes or says goodbye
+// because it restarts does not end Next: it waits, within ctx, for the
+// producer that takes its place, and goes on with its leases; it never
+// returns a lease of a producer already gone. If none comes back within
+// the policy's deadline, Next returns an error matching
+// ErrReconnectDeadline and ErrProducerGone.
 func (im *Importer) Next(ctx context.Context) (*Lease, error) {
 	return im.NextOn(ctx, im.stream)
 }
