@@ -92,6 +92,7 @@ def consume(args, out):
            "workers": args.workers, "credits": args.credits, "verify": args.verify, "handoffs": 0,
            "seconds": 0.0, "handoffs_per_s": 0.0, "p50_us": 0.0, "p99_us": 0.0, "max_us": 0.0, "cpu_us_per_handoff": 0.0, "bytes": 0,
            "size": 0, "verified": 0, "verify_errors": 0, "errors": 0, "buffers_seen": 0, "mappings": 0,
+           "reconnects": 0, "releases_dropped": 0,
            "shm": False, "end": "", "exit": 0}
     # shm: the messages went through the shm channel (PROTOCOL.md
     # 2.3), as the Go consumer's report says (--shm true asks for them).
@@ -189,6 +190,7 @@ def consume(args, out):
         c.close()
     rep["mappings"] = st.get("mappings", 0)
     rep["reconnects"] = st.get("reconnects", 0)
+    rep["releases_dropped"] = st.get("releases_dropped", 0)
     rep["buffers_seen"] = len(seen)
     if times[0] is not None and times[1] is not None and times[1] > times[0]:
         secs = (times[1] - times[0]) / 1e9

@@ -222,6 +222,7 @@ class Consumer(Reader, Releases):
         self._end = None         # the exception that ended the connection
         self._bye_received = False
         self._bye_code = wire.GOODBYE_DONE
+        self._held_at_loss = 0   # leases held when its producer was lost (reconnect.py)
         self._bye_sent = False
         self._eof = threading.Event()
         self._closed = False
@@ -746,6 +747,14 @@ class Consumer(Reader, Releases):
         (reconnect.py): no mapping outlives its last lease, and legacy IPC
         leases, whose memory died with the producer, say so."""
         with self._lock:
+            for seq, ref in list(self._outstanding.items()):
+                l = ref()
+                if l is None or l.released:
+                    # Voided with the queue at the connection's end: never
+                    # handed out, so never released.
+                    del self._outstanding[seq]
+                    if l is not None and not l._a.closed:
+                        l._a.leases -= 1
             for alloc_id, a in list(self._allocs.items()):
                 if a.mapping.kind == wire.HANDLE_IPC:
                     a.dead = True

@@ -50,6 +50,7 @@ class Reconnecting:
         self._closed = False
         self._thread = None
         self.reconnects = 0
+        self._dropped = 0        # releases of leases of producers gone, torn down since
         self._last = first       # for producer, backend, ... while reconnecting
 
     # The current connection's description.
@@ -113,6 +114,8 @@ class Reconnecting:
                 return
             self._c = None
             c._set_apart()
+            # Its leases still held: their releases go nowhere.
+            c._held_at_loss = len(c._outstanding)
             self._old.append(c)
             self._reap_locked()
             self._thread = threading.Thread(target=self._reconnect, args=(cause,),
@@ -162,6 +165,7 @@ class Reconnecting:
                 if c._outstanding:
                     keep.append(c)
                 else:
+                    self._dropped += c._held_at_loss
                     c.close(timeout=0.0)
             self._old = keep
 
@@ -173,9 +177,13 @@ class Reconnecting:
         c.grant(n)
 
     def stats(self):
-        """The current connection's counters, with reconnects."""
+        """The current connection's counters, with reconnects and
+        releases_dropped (releases of leases whose producer was gone: they
+        went nowhere)."""
         d = self._last.stats()
-        d["reconnects"] = self.reconnects
+        with self._lock:
+            d["reconnects"] = self.reconnects
+            d["releases_dropped"] = self._dropped + sum(c._held_at_loss - len(c._outstanding) for c in self._old)
         return d
 
     def close(self, timeout=5.0, reason="consumer closed"):

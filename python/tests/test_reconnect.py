@@ -43,9 +43,16 @@ def test_reconnect_after_kill_and_restart(go_producer, gobin, vmm):
         assert first, "the Go producer names its session in its hello-ack"
         held = c.next(timeout=5)
         assert right(held)
+        deadline = time.monotonic() + 10
+        while c.stats()["offers"] < 4:  # offers queued when the producer dies: void, never handed out
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
         old = p.p
         p.kill()
         old.communicate(timeout=5)
+        while c._c._end is None:  # its reader has seen the end: the queued offers are void
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
         again(p, gobin, *args)
         # The new producer's batches: numbered from 0 again, right, and a
         # new session; the lease held across the kill still reads right
@@ -60,10 +67,13 @@ def test_reconnect_after_kill_and_restart(go_producer, gobin, vmm):
         assert c.producer["session"] not in (None, first)
         l.release()
         assert right(held)
+        dropped = c.stats()["releases_dropped"]
         held.release()
+        assert c.stats()["releases_dropped"] == dropped + 1
         for _ in range(20):
             with c.next(timeout=5) as l:
                 assert right(l)
+        assert not c._old, "the lost producer's connection outlived its last lease"
         # A restart on purpose: the goodbye says it comes back.
         p.p.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 20
