@@ -27,6 +27,9 @@ func (e *env) pythonConsumer(name string, args ...string) *proc {
 	}
 	_, file, _, _ := runtime.Caller(0)
 	pkg := filepath.Join(filepath.Dir(file), "..", "python")
+	if pp := os.Getenv("PYTHONPATH"); pp != "" {
+		pkg += ":" + pp // a msgpack of its own (the GPU machine's .gpu/pylib)
+	}
 	return e.start(name, py, []string{"PYTHONPATH=" + pkg}, append([]string{"-m", "cudashare", "consume", "--socket", e.sock}, args...)...)
 }
 
