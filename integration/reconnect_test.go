@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strconv"
 	"strings"
 	"syscall"
@@ -25,8 +24,12 @@ func (e *env) pythonConsumer(name string, args ...string) *proc {
 	if py == "" {
 		e.t.Skip("no Python with the msgpack package (Debian: apt-get install python3-msgpack)")
 	}
-	_, file, _, _ := runtime.Caller(0)
-	pkg := filepath.Join(filepath.Dir(file), "..", "python")
+	// Tests run in their package's directory, here and on the GPU
+	// machine (.gpu/run.sh).
+	pkg, err := filepath.Abs(filepath.Join("..", "python"))
+	if err != nil {
+		e.t.Fatal(err)
+	}
 	if pp := os.Getenv("PYTHONPATH"); pp != "" {
 		pkg += ":" + pp // a msgpack of its own (the GPU machine's .gpu/pylib)
 	}
