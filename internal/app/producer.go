@@ -534,7 +534,11 @@ func (p *producer) reportLoop(cur *atomic.Pointer[share.Exporter], done <-chan s
 		case <-done:
 			return
 		case <-t.C:
-			st := cur.Load().Stats()
+			exp := cur.Load()
+			if exp == nil {
+				continue // not listening yet
+			}
+			st := exp.Stats()
 			writeJSON(p.stdout, &ProducerProgress{
 				Role: "producer-progress", Offers: st.Offers, Consumers: st.Consumers, Leases: st.Leases,
 				ConsumersLost: st.ConsumersLost, ConsumersDropped: st.ConsumersDropped,
