@@ -180,7 +180,7 @@ func TestReconnectEnds(t *testing.T) {
 	prod := e.producer("-ring", "8", "-size", "64KiB", "-consumers", "2", "-v", "-report-every", "20ms")
 	connected(t, prod, 2)
 	waitFor(t, "batches to both consumers", 20*time.Second, func() bool {
-		// The producer lends to whichever holds fewer leases: after
+		// The producer offers to whichever holds fewer leases: after
 		// a few dozen batches, both have had some.
 		return strings.Count(prod.stdout.String(), "producer-progress") > 5 && !strings.HasSuffix(strings.TrimSpace(prod.stdout.String()), `"offers":0`)
 	})

@@ -342,9 +342,9 @@ func (im *Importer) NextOn(ctx context.Context, s *driver.Stream) (*Lease, error
 		if l != nil || err != nil {
 			return l, err
 		}
-		// A lease of a producer that was lost meanwhile: never handed
-		// out (its producer's writes may not be complete, or its memory
-		// is gone with it). The next lease is the new producer's.
+		// A lease of a producer that was lost meanwhile: never
+		// returned (its producer's writes may not be complete, or its
+		// memory is gone with it). The next lease is the new producer's.
 	}
 }
 

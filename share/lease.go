@@ -142,7 +142,7 @@ func (l *Lease) Ptr() driver.DevicePtr {
 // producer gone stays usable until released).
 func (l *Lease) Err() error {
 	if l == nil || l.st == nil {
-		return errors.New("share: a lease Next did not hand out")
+		return errors.New("share: a lease Next did not return")
 	}
 	if l.done.Load() {
 		return fmt.Errorf("share: lease %d: %w", l.seq, ErrReleased)

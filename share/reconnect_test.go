@@ -70,7 +70,7 @@ func testReconnectAfterKill(t *testing.T, sharing share.Sharing) {
 	p.Kill()
 	p2 := startProducer(t, path, sharing)
 	defer p2.Kill()
-	// Leases queued before the kill are dropped, never handed out: every
+	// Leases queued before the kill are dropped, never returned: every
 	// lease Next returns from here is the new producer's, and the first
 	// of those is its batch 0.
 	var l *share.Lease
@@ -83,7 +83,7 @@ func testReconnectAfterKill(t *testing.T, sharing share.Sharing) {
 		if im.Stats().Reconnects == 1 {
 			t.Fatalf("after the reconnection, batch %d (generation %d) came before the new producer's first", m, l.Generation())
 		}
-		l.Release() // the old producer's, handed out before the kill was seen
+		l.Release() // the old producer's, returned before the kill was seen
 	}
 	if err := sharetest.Check(env.Ctx, l.Ptr(), l.Size(), 0); err != nil {
 		t.Fatalf("the new producer's first lease: %v", err)

@@ -85,7 +85,7 @@ func (im *Importer) releaseLocked(a *impAlloc, seq uint64, after *relEvent) {
 	a.leases--
 	if a.lost.Load() {
 		// Its producer is gone: no one waits for the release, and the
-		// producer connected now never lent it.
+		// producer connected now never offered it.
 		im.stats.ReleasesDropped++
 	} else {
 		im.sendReleaseLocked(seq, after)

@@ -751,7 +751,7 @@ class Consumer(Reader, Releases):
                 l = ref()
                 if l is None or l.released:
                     # Voided with the queue at the connection's end: never
-                    # handed out, so never released.
+                    # given to the application, so never released.
                     del self._outstanding[seq]
                     if l is not None and not l._a.closed:
                         l._a.leases -= 1

@@ -76,7 +76,7 @@ class Reconnecting:
 
     def next(self, timeout=None):
         """Consumer.next, across producers: a lost producer's queued leases
-        are never handed out; while reconnecting it waits (up to timeout)
+        are never returned; while reconnecting it waits (up to timeout)
         for the next producer's first lease."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:

@@ -31,7 +31,7 @@ def right(lease):
 @pytest.fixture
 def vmm(gobin):
     if not producer_has_sharing(gobin):
-        pytest.skip("this producer has no -sharing flag: no VMM lending to read data from on the simulator")
+        pytest.skip("this producer has no -sharing flag: no VMM offers to read data from on the simulator")
 
 
 def test_reconnect_after_kill_and_restart(go_producer, gobin, vmm):
@@ -44,7 +44,7 @@ def test_reconnect_after_kill_and_restart(go_producer, gobin, vmm):
         held = c.next(timeout=5)
         assert right(held)
         deadline = time.monotonic() + 10
-        while c.stats()["offers"] < 4:  # offers queued when the producer dies: void, never handed out
+        while c.stats()["offers"] < 4:  # offers queued when the producer dies: void, never returned
             assert time.monotonic() < deadline
             time.sleep(0.005)
         old = p.p
@@ -61,7 +61,7 @@ def test_reconnect_after_kill_and_restart(go_producer, gobin, vmm):
             l = c.next(timeout=20)
             if c.stats()["reconnects"] == 1:
                 break
-            assert right(l)  # queued before the kill, and handed out before its end was seen
+            assert right(l)  # queued before the kill, and returned before its end was seen
             l.release()
         assert l.meta["batch"] == 0 and right(l)
         assert c.producer["session"] not in (None, first)
