@@ -18,6 +18,49 @@ type Config struct {
 	Backends []Backend
 	// Crop is the side of the square each image is cropped to.
 	Crop int
+	// Place is how a crop gets to its place in the batch (ParsePlace).
+	Place Place
+}
+
+// Place is how each image's crop is written into the batch.
+type Place int
+
+const (
+	// PlaceAuto: PlaceROI where the library has it and
+	// nvjpegDecodeBatchedSupportedEx takes the first image with a region,
+	// else PlaceCopy.
+	PlaceAuto Place = iota
+	// PlaceROI: nvjpegDecodeBatchedEx decodes only each image's region,
+	// straight into the batch: no staging, and one call queues the whole
+	// batch (no 3 copies per image). Under time-slicing with another
+	// process's context every queued operation counts.
+	PlaceROI
+	// PlaceCopy: nvjpegDecodeBatched decodes whole images into staging,
+	// and a 2D copy per plane crops each into the batch.
+	PlaceCopy
+)
+
+func (p Place) String() string {
+	switch p {
+	case PlaceROI:
+		return "roi"
+	case PlaceCopy:
+		return "copy"
+	}
+	return "auto"
+}
+
+// ParsePlace reads -place: auto, roi or copy.
+func ParsePlace(s string) (Place, error) {
+	switch s {
+	case "auto", "":
+		return PlaceAuto, nil
+	case "roi":
+		return PlaceROI, nil
+	case "copy":
+		return PlaceCopy, nil
+	}
+	return 0, fmt.Errorf("unknown crop placement %q: auto, roi or copy", s)
 }
 
 // Decoder decodes batches of JPEGs on one stream. It is not safe for
@@ -37,6 +80,12 @@ type Decoder struct {
 	why           []string  // why earlier backends were left
 	checked       bool      // the first batch was checked with nvjpegDecodeBatchedSupported
 	inited        int       // the batch size nvjpegDecodeBatchedInitialize was given
+
+	place      Place     // as asked
+	roi        bool      // the ROI decode is in use
+	roiChecked bool      // placed: roi decided (on the first batch)
+	params     []uintptr // nvjpegDecodeParams_t per image of a batch, of handle
+	placeWhy   string    // why crops are copied, where roi was not taken
 
 	staging     uint64
 	stagingSize uint64
@@ -85,7 +134,10 @@ func Open(ctx *driver.Context, stream *driver.Stream, cfg Config) (*Decoder, err
 // open is Open with the libraries, the context, the stream and the device
 // allocator given (the tests give fakes).
 func open(cu *cuda, lib *nvjpeg, ctx, stream uintptr, alloc func(uint64) (uint64, error), free func(uint64) error, cfg Config) (*Decoder, error) {
-	d := &Decoder{ctx: ctx, stream: stream, alloc: alloc, free: free, cu: cu, lib: lib, crop: cfg.Crop, next: cfg.Backends}
+	d := &Decoder{ctx: ctx, stream: stream, alloc: alloc, free: free, cu: cu, lib: lib, crop: cfg.Crop, next: cfg.Backends, place: cfg.Place}
+	if cfg.Place == PlaceROI && !lib.hasROI() {
+		return nil, fmt.Errorf("%w: -place roi: %s lacks nvjpegDecodeBatchedEx or the decode parameters' calls", ErrNvjpeg, lib.path)
+	}
 	unlock, err := d.enter()
 	if err != nil {
 		return nil, err
@@ -133,6 +185,11 @@ func (d *Decoder) createNext() error {
 }
 
 func (d *Decoder) destroyHandle() {
+	for _, p := range d.params {
+		call("nvjpegDecodeParamsDestroy", d.lib.decodeParamsDestroy, p)
+	}
+	d.params = d.params[:0]
+	d.roiChecked = false // a new handle is asked again
 	if d.state != 0 {
 		call("nvjpegJpegStateDestroy", d.lib.jpegStateDestroy, d.state)
 		d.state = 0
@@ -146,6 +203,18 @@ func (d *Decoder) destroyHandle() {
 // Backend is the backend in use, and why earlier ones were left.
 func (d *Decoder) Backend() (Backend, []string) { return d.backend, d.why }
 
+// Place is how crops are placed: PlaceROI or PlaceCopy once the first
+// batch decided it (PlaceAuto before), and why not PlaceROI.
+func (d *Decoder) Place() (Place, string) {
+	switch {
+	case !d.roiChecked:
+		return PlaceAuto, ""
+	case d.roi:
+		return PlaceROI, ""
+	}
+	return PlaceCopy, d.placeWhy
+}
+
 // Library is libnvjpeg's path and version.
 func (d *Decoder) Library() string { return d.lib.path + " " + d.lib.version() }
 
@@ -156,8 +225,9 @@ func (d *Decoder) DecodeTime() (time.Duration, uint64, uint64) {
 }
 
 // supported asks nvJPEG whether the batched decoder of this handle takes
-// jpg (nvjpegDecodeBatchedSupported: 0 means it does).
-func (d *Decoder) supported(jpg []byte) (bool, error) {
+// jpg (nvjpegDecodeBatchedSupported: 0 means it does); with params, the
+// ROI decode (nvjpegDecodeBatchedSupportedEx).
+func (d *Decoder) supported(jpg []byte, params uintptr) (bool, error) {
 	var js uintptr
 	if err := call("nvjpegJpegStreamCreate", d.lib.jpegStreamCreate, d.handle, uintptr(unsafe.Pointer(&js))); err != nil {
 		return false, err
@@ -167,6 +237,12 @@ func (d *Decoder) supported(jpg []byte) (bool, error) {
 		return false, err
 	}
 	var not int32 = -1
+	if params != 0 {
+		if err := call("nvjpegDecodeBatchedSupportedEx", d.lib.decodeBatchedSuppEx, d.handle, js, params, uintptr(unsafe.Pointer(&not))); err != nil {
+			return false, err
+		}
+		return not == 0, nil
+	}
 	if err := call("nvjpegDecodeBatchedSupported", d.lib.decodeBatchedSupport, d.handle, js, uintptr(unsafe.Pointer(&not))); err != nil {
 		return false, err
 	}
@@ -213,7 +289,7 @@ func (d *Decoder) DecodeCrop(jpegs [][]byte, w, h, x, y []int, dst driver.Device
 		// The hardware backend takes baseline JPEGs with one scan and not
 		// every subsampling: ask, once, rather than fail on the first batch.
 		d.checked = true
-		if ok, err := d.supported(jpegs[0]); err != nil || !ok {
+		if ok, err := d.supported(jpegs[0], 0); err != nil || !ok {
 			d.why = append(d.why, fmt.Sprintf("hardware: nvjpegDecodeBatchedSupported says no (%v)", err))
 			if err := d.createNext(); err != nil {
 				return err
@@ -221,6 +297,127 @@ func (d *Decoder) DecodeCrop(jpegs [][]byte, w, h, x, y []int, dst driver.Device
 		}
 	}
 
+	if !d.roiChecked {
+		d.roiChecked, d.roi = true, false
+		if d.place != PlaceCopy && d.lib.hasROI() {
+			ok, err := d.roiSupported(jpegs[0], x[0], y[0])
+			switch {
+			case ok:
+				d.roi = true
+			case d.place == PlaceROI:
+				return fmt.Errorf("%w: -place roi: nvjpegDecodeBatchedSupportedEx says no (%v)", ErrNvjpeg, err)
+			default:
+				d.placeWhy = fmt.Sprintf("nvjpegDecodeBatchedSupportedEx says no (%v)", err)
+			}
+		} else if d.place != PlaceCopy {
+			d.placeWhy = d.lib.path + " lacks nvjpegDecodeBatchedEx"
+		}
+	}
+	if d.roi {
+		err := d.decodeROI(jpegs, x, y, dst)
+		if err == nil {
+			d.keep = append(d.keep[:0], jpegs...)
+			runtime.KeepAlive(jpegs)
+			d.images += uint64(n)
+			d.batches++
+			return nil
+		}
+		if d.batches > 0 || d.place == PlaceROI {
+			return err
+		}
+		// The first batch failed with regions: copy crops from now on.
+		d.roi, d.placeWhy = false, err.Error()
+	}
+	if err := d.decodeCopy(jpegs, w, h, x, y, dst, maxW, maxH); err != nil {
+		return err
+	}
+	d.images += uint64(n)
+	d.batches++
+	return nil
+}
+
+// roiSupported asks whether the ROI decode takes jpg with a crop at (x, y).
+func (d *Decoder) roiSupported(jpg []byte, x, y int) (bool, error) {
+	if err := d.makeParams(1); err != nil {
+		return false, err
+	}
+	if err := call("nvjpegDecodeParamsSetROI", d.lib.decodeParamsSetROI, d.params[0], uintptr(x), uintptr(y), uintptr(d.crop), uintptr(d.crop)); err != nil {
+		return false, err
+	}
+	return d.supported(jpg, d.params[0])
+}
+
+// makeParams creates decode parameters up to n, each for RGB output.
+func (d *Decoder) makeParams(n int) error {
+	for len(d.params) < n {
+		var p uintptr
+		if err := call("nvjpegDecodeParamsCreate", d.lib.decodeParamsCreate, d.handle, uintptr(unsafe.Pointer(&p))); err != nil {
+			return err
+		}
+		d.params = append(d.params, p)
+		if err := call("nvjpegDecodeParamsSetOutputFormat", d.lib.decodeParamsSetFmt, p, outputRGB); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// decodeROI decodes each image's crop straight into its place in dst:
+// image i's planes at dst + (3i+c)*crop*crop, pitch crop. One call queues
+// the batch; nothing is staged and nothing copied.
+func (d *Decoder) decodeROI(jpegs [][]byte, x, y []int, dst driver.DevicePtr) error {
+	n := len(jpegs)
+	if err := d.makeParams(n); err != nil {
+		return err
+	}
+	ptrs, lens, imgs := d.arrays(n)
+	c := uint64(d.crop)
+	for i, j := range jpegs {
+		ptrs[i] = uintptr(unsafe.Pointer(&j[0]))
+		lens[i] = uint64(len(j))
+		base := uint64(dst) + uint64(i)*3*c*c
+		imgs[i] = image{
+			channel: [4]uintptr{uintptr(base), uintptr(base + c*c), uintptr(base + 2*c*c), 0},
+			pitch:   [4]uint64{c, c, c, 0},
+		}
+		if err := call("nvjpegDecodeParamsSetROI", d.lib.decodeParamsSetROI, d.params[i], uintptr(x[i]), uintptr(y[i]), uintptr(d.crop), uintptr(d.crop)); err != nil {
+			return err
+		}
+	}
+	if err := d.initialize(n); err != nil {
+		return err
+	}
+	err := call("nvjpegDecodeBatchedEx", d.lib.decodeBatchedEx, d.handle, d.state,
+		uintptr(unsafe.Pointer(&ptrs[0])), uintptr(unsafe.Pointer(&lens[0])), uintptr(unsafe.Pointer(&imgs[0])),
+		uintptr(unsafe.Pointer(&d.params[0])), d.stream)
+	if err != nil {
+		d.inited = 0
+	}
+	return err
+}
+
+func (d *Decoder) arrays(n int) ([]uintptr, []uint64, []image) {
+	if cap(d.ptrs) < n {
+		d.ptrs, d.lens, d.imgs = make([]uintptr, n), make([]uint64, n), make([]image, n)
+	}
+	return d.ptrs[:n], d.lens[:n], d.imgs[:n]
+}
+
+func (d *Decoder) initialize(n int) error {
+	if d.inited == n {
+		return nil
+	}
+	if err := call("nvjpegDecodeBatchedInitialize", d.lib.decodeBatchedInit, d.handle, d.state, uintptr(n), 1, outputRGB); err != nil {
+		return err
+	}
+	d.inited = n
+	return nil
+}
+
+// decodeCopy decodes whole images into staging and copies each crop,
+// plane by plane, into dst.
+func (d *Decoder) decodeCopy(jpegs [][]byte, w, h, x, y []int, dst driver.DevicePtr, maxW, maxH int) error {
+	n := len(jpegs)
 	pitch := uint64(maxW+63) &^ 63
 	plane := pitch * uint64(maxH)
 	slot := 3 * plane
@@ -239,10 +436,7 @@ func (d *Decoder) DecodeCrop(jpegs [][]byte, w, h, x, y []int, dst driver.Device
 		}
 		d.staging, d.stagingSize = p, need
 	}
-	if cap(d.ptrs) < n {
-		d.ptrs, d.lens, d.imgs = make([]uintptr, n), make([]uint64, n), make([]image, n)
-	}
-	ptrs, lens, imgs := d.ptrs[:n], d.lens[:n], d.imgs[:n]
+	ptrs, lens, imgs := d.arrays(n)
 	for i, j := range jpegs {
 		ptrs[i] = uintptr(unsafe.Pointer(&j[0]))
 		lens[i] = uint64(len(j))
@@ -252,13 +446,14 @@ func (d *Decoder) DecodeCrop(jpegs [][]byte, w, h, x, y []int, dst driver.Device
 			pitch:   [4]uint64{pitch, pitch, pitch, 0},
 		}
 	}
-	err = d.decode(ptrs, lens, imgs)
+	err := d.decode(ptrs, lens, imgs)
 	for err != nil && d.batches == 0 && len(d.next) > 0 {
 		// A backend that fails its first batch is left for the next one.
 		d.why = append(d.why, fmt.Sprintf("%s: %v", d.backend, err))
 		if cerr := d.createNext(); cerr != nil {
 			return errors.Join(err, cerr)
 		}
+		d.roiChecked, d.roi = true, false // the handle is new: stay with copies
 		err = d.decode(ptrs, lens, imgs)
 	}
 	d.keep = append(d.keep[:0], jpegs...)
@@ -276,18 +471,12 @@ func (d *Decoder) DecodeCrop(jpegs [][]byte, w, h, x, y []int, dst driver.Device
 			}
 		}
 	}
-	d.images += uint64(n)
-	d.batches++
 	return nil
 }
 
 func (d *Decoder) decode(ptrs []uintptr, lens []uint64, imgs []image) error {
-	n := len(ptrs)
-	if d.inited != n {
-		if err := call("nvjpegDecodeBatchedInitialize", d.lib.decodeBatchedInit, d.handle, d.state, uintptr(n), 1, outputRGB); err != nil {
-			return err
-		}
-		d.inited = n
+	if err := d.initialize(len(ptrs)); err != nil {
+		return err
 	}
 	err := call("nvjpegDecodeBatched", d.lib.decodeBatched, d.handle, d.state,
 		uintptr(unsafe.Pointer(&ptrs[0])), uintptr(unsafe.Pointer(&lens[0])), uintptr(unsafe.Pointer(&imgs[0])), d.stream)

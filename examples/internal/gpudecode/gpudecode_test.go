@@ -29,6 +29,10 @@ const (
 	kLastStream
 	kCopies
 	kDecodes
+	kNoROI
+	kROIFail
+	kROIDecodes
+	kParamsLive
 )
 
 type fake struct {
@@ -59,7 +63,7 @@ func buildFake(t *testing.T) *fake {
 	return f
 }
 
-func (f *fake) open(t *testing.T, backends []Backend) *Decoder {
+func (f *fake) open(t *testing.T, backends []Backend, place Place) *Decoder {
 	t.Helper()
 	lib, err := loadNvjpeg(f.path)
 	if err != nil {
@@ -74,7 +78,7 @@ func (f *fake) open(t *testing.T, backends []Backend) *Decoder {
 		f.mem = append(f.mem, b)
 		return uint64(uintptr(unsafe.Pointer(&b[0]))), nil
 	}
-	d, err := open(cu, lib, 0xc7c7, 0x5e5e, alloc, func(uint64) error { return nil }, Config{Backends: backends, Crop: 4})
+	d, err := open(cu, lib, 0xc7c7, 0x5e5e, alloc, func(uint64) error { return nil }, Config{Backends: backends, Crop: 4, Place: place})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -97,7 +101,7 @@ func jpeg(w, h int, seed byte) []byte {
 // NVJPEG_OUTPUT_RGB.
 func TestDecodeCropLayout(t *testing.T) {
 	f := buildFake(t)
-	d := f.open(t, []Backend{BackendHardware, BackendGPUHybrid})
+	d := f.open(t, []Backend{BackendHardware, BackendGPUHybrid}, PlaceCopy)
 	if b, why := d.Backend(); b != BackendHardware || len(why) != 0 {
 		t.Fatalf("backend %v (%v), want hardware", b, why)
 	}
@@ -154,14 +158,14 @@ func TestDecodeCropLayout(t *testing.T) {
 func TestBackendFallback(t *testing.T) {
 	f := buildFake(t)
 	f.set(kNoHW, 1)
-	d := f.open(t, []Backend{BackendHardware, BackendGPUHybrid})
+	d := f.open(t, []Backend{BackendHardware, BackendGPUHybrid}, PlaceAuto)
 	b, why := d.Backend()
 	if b != BackendGPUHybrid || len(why) != 1 || !strings.Contains(why[0], "NVJPEG_STATUS_ARCH_MISMATCH") {
 		t.Fatalf("backend %v, why %v", b, why)
 	}
 	f.set(kNoHW, 0)
 	f.set(kHWUnsupported, 1)
-	d = f.open(t, []Backend{BackendHardware, BackendGPUHybrid})
+	d = f.open(t, []Backend{BackendHardware, BackendGPUHybrid}, PlaceAuto)
 	dst := make([]byte, 48)
 	if err := d.DecodeCrop([][]byte{jpeg(4, 4, 1)}, []int{4}, []int{4}, []int{0}, []int{0}, uint64ToPtr(&dst[0])); err != nil {
 		t.Fatal(err)
@@ -169,11 +173,113 @@ func TestBackendFallback(t *testing.T) {
 	if b, why := d.Backend(); b != BackendGPUHybrid || len(why) != 1 || f.get(kLastBackend, 0) != int64(BackendGPUHybrid) || dst[47] != byte(1+100+9+3) {
 		t.Fatalf("backend %v, why %v, last created %d, last byte %d", b, why, f.get(kLastBackend, 0), dst[47])
 	}
+	if p, why := d.Place(); p != PlaceCopy || why == "" || f.get(kROIDecodes, 0) != 0 {
+		t.Fatalf("gpu-hybrid placed crops by %v (%q), %d ROI decodes: the ROI decode is the hardware's", p, why, f.get(kROIDecodes, 0))
+	}
 	f.set(kNoHW, 1)
 	lib, _ := loadNvjpeg(f.path)
 	cu, _ := loadCUDA(f.path)
 	if _, err := open(cu, lib, 1, 1, nil, nil, Config{Backends: []Backend{BackendHardware}, Crop: 4}); !errors.Is(err, ErrNvjpeg) {
 		t.Fatalf("hardware only, without hardware: %v, want ErrNvjpeg", err)
+	}
+}
+
+// TestDecodeCropROI: where the library has nvjpegDecodeBatchedEx and it
+// takes a region, each image's crop is decoded straight into its place
+// (the same bytes as TestDecodeCropLayout's copies give), with one decode
+// parameters object per image, in one call on the decoder's stream, and no
+// copy at all; past the batch nothing is written. Close destroys every
+// parameters object.
+func TestDecodeCropROI(t *testing.T) {
+	f := buildFake(t)
+	d := f.open(t, []Backend{BackendHardware, BackendGPUHybrid}, PlaceAuto)
+	jp := [][]byte{jpeg(9, 7, 10), jpeg(5, 12, 77), jpeg(20, 4, 200)}
+	ws, hs := []int{9, 5, 20}, []int{7, 12, 4}
+	xs, ys := []int{5, 1, 16}, []int{3, 8, 0}
+	for round := 0; round < 2; round++ {
+		dst := make([]byte, 3*3*16+7)
+		for i := range dst {
+			dst[i] = 0xee
+		}
+		if err := d.DecodeCrop(jp, ws, hs, xs, ys, uint64ToPtr(&dst[0])); err != nil {
+			t.Fatal(err)
+		}
+		checkCrops(t, dst, jp, xs, ys)
+		xs[0], ys[1] = 0, 0 // other regions the second time
+	}
+	if p, why := d.Place(); p != PlaceROI || why != "" {
+		t.Fatalf("placed by %v (%q), want roi", p, why)
+	}
+	if f.get(kROIDecodes, 0) != 2 || f.get(kCopies, 0) != 0 || f.get(kDecodes, 0) != 0 || f.get(kLastStream, 0) != 0x5e5e || f.get(kParamsLive, 0) != 3 {
+		t.Fatalf("%d ROI decodes, %d copies, %d whole decodes, stream %#x, %d parameters", f.get(kROIDecodes, 0), f.get(kCopies, 0), f.get(kDecodes, 0), f.get(kLastStream, 0), f.get(kParamsLive, 0))
+	}
+	d.Close()
+	if n := f.get(kParamsLive, 0); n != 0 {
+		t.Fatalf("%d decode parameters left after Close", n)
+	}
+}
+
+// TestROIFallback: where nvjpegDecodeBatchedSupportedEx says no, or the
+// first ROI batch fails, crops are copied (and the decoder says why), the
+// first batch's pixels right either way; -place roi fails instead, and
+// -place copy never asks.
+func TestROIFallback(t *testing.T) {
+	f := buildFake(t)
+	jp := [][]byte{jpeg(9, 7, 10), jpeg(5, 12, 77)}
+	ws, hs, xs, ys := []int{9, 5}, []int{7, 12}, []int{5, 1}, []int{3, 8}
+	for _, knob := range []int{kNoROI, kROIFail} {
+		f.set(knob, 1)
+		d := f.open(t, []Backend{BackendHardware}, PlaceAuto)
+		dst := make([]byte, 2*48)
+		if err := d.DecodeCrop(jp, ws, hs, xs, ys, uint64ToPtr(&dst[0])); err != nil {
+			t.Fatal(err)
+		}
+		checkCrops(t, dst, jp, xs, ys)
+		if p, why := d.Place(); p != PlaceCopy || why == "" {
+			t.Fatalf("knob %d: placed by %v (%q), want copy with a reason", knob, p, why)
+		}
+		d = f.open(t, []Backend{BackendHardware}, PlaceROI)
+		if err := d.DecodeCrop(jp, ws, hs, xs, ys, uint64ToPtr(&dst[0])); err == nil {
+			t.Fatalf("knob %d: -place roi did not fail", knob)
+		}
+		f.set(knob, 0)
+	}
+	before := f.get(kROIDecodes, 0)
+	d := f.open(t, []Backend{BackendHardware}, PlaceCopy)
+	dst := make([]byte, 2*48)
+	if err := d.DecodeCrop(jp, ws, hs, xs, ys, uint64ToPtr(&dst[0])); err != nil {
+		t.Fatal(err)
+	}
+	checkCrops(t, dst, jp, xs, ys)
+	if p, _ := d.Place(); p != PlaceCopy || f.get(kROIDecodes, 0) != before {
+		t.Fatalf("-place copy placed by %v", p)
+	}
+	if _, err := ParsePlace("inplace"); err == nil {
+		t.Fatal("ParsePlace(inplace) did not fail")
+	}
+}
+
+// checkCrops: image i's 4x4 crop at (xs[i], ys[i]) is at dst + i*48, plane
+// after plane, as the fake decoder draws it, and nothing past the batch
+// changed from 0xee (where dst has room past it).
+func checkCrops(t *testing.T, dst []byte, jp [][]byte, xs, ys []int) {
+	t.Helper()
+	for i := range jp {
+		for c := 0; c < 3; c++ {
+			for y := 0; y < 4; y++ {
+				for x := 0; x < 4; x++ {
+					want := byte(int(jp[i][4]) + 50*c + 3*(y+ys[i]) + (x + xs[i]))
+					if got := dst[i*48+c*16+y*4+x]; got != want {
+						t.Fatalf("image %d plane %d (%d,%d): %d, want %d", i, c, x, y, got, want)
+					}
+				}
+			}
+		}
+	}
+	for _, b := range dst[len(jp)*48:] {
+		if b != 0xee {
+			t.Fatal("DecodeCrop wrote past the batch")
+		}
 	}
 }
 

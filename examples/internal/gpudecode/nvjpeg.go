@@ -106,6 +106,21 @@ type nvjpeg struct {
 	jpegStreamDestroy    uintptr // (jpegStream)
 	jpegStreamParse      uintptr // (handle, data*, size_t, int saveMetadata, int saveStream, jpegStream)
 	decodeBatchedSupport uintptr // (handle, jpegStream, int* isSupported): 0 means supported
+
+	// The ROI decode (CUDA 11.6 and later; 0 where the library lacks it):
+	// each image decoded straight into its crop, no staging and no copy.
+	decodeBatchedEx     uintptr // (handle, state, data*, lengths*, nvjpegImage_t* dst, nvjpegDecodeParams_t* params, cudaStream_t)
+	decodeBatchedSuppEx uintptr // (handle, jpegStream, decodeParams, int* isSupported): 0 means supported
+	decodeParamsCreate  uintptr // (handle, decodeParams*)
+	decodeParamsDestroy uintptr // (decodeParams)
+	decodeParamsSetFmt  uintptr // (decodeParams, outputFormat)
+	decodeParamsSetROI  uintptr // (decodeParams, int x, int y, int w, int h)
+}
+
+// hasROI: the library has every call the ROI decode needs.
+func (l *nvjpeg) hasROI() bool {
+	return l.decodeBatchedEx != 0 && l.decodeBatchedSuppEx != 0 && l.decodeParamsCreate != 0 &&
+		l.decodeParamsDestroy != 0 && l.decodeParamsSetFmt != 0 && l.decodeParamsSetROI != 0
 }
 
 // libraryCandidates: an explicit path first, then the sonames of CUDA 13,
@@ -173,6 +188,22 @@ func loadNvjpeg(explicit string) (*nvjpeg, error) {
 				continue
 			}
 			*s.p = p
+		}
+		// Optional: without them the crop is a 2D copy from staging.
+		for _, s := range []struct {
+			name string
+			p    *uintptr
+		}{
+			{"nvjpegDecodeBatchedEx", &l.decodeBatchedEx},
+			{"nvjpegDecodeBatchedSupportedEx", &l.decodeBatchedSuppEx},
+			{"nvjpegDecodeParamsCreate", &l.decodeParamsCreate},
+			{"nvjpegDecodeParamsDestroy", &l.decodeParamsDestroy},
+			{"nvjpegDecodeParamsSetOutputFormat", &l.decodeParamsSetFmt},
+			{"nvjpegDecodeParamsSetROI", &l.decodeParamsSetROI},
+		} {
+			if p, err := purego.Dlsym(h, s.name); err == nil {
+				*s.p = p
+			}
 		}
 		if len(missing) > 0 {
 			tried = append(tried, fmt.Sprintf("%s: lacks %s", path, strings.Join(missing, ", ")))

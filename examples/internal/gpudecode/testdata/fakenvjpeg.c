@@ -4,7 +4,8 @@
 // check what they receive. "Device" memory is host memory here. A fake
 // JPEG is 4 bytes of width and height (uint16 little-endian) and a seed
 // byte; DecodeBatched writes pixel (x, y) of plane c as
-// (seed + 50*c + 3*y + x) mod 256.
+// (seed + 50*c + 3*y + x) mod 256; DecodeBatchedEx writes the region each
+// image's nvjpegDecodeParams_t names, at the destination's origin.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,7 +40,8 @@ _Static_assert(sizeof(nvjpegImage_t) == 64, "nvjpegImage_t");
 _Static_assert(sizeof(CUDA_MEMCPY2D) == 128, "CUDA_MEMCPY2D");
 
 // What the test sets (fake_set) and reads (fake_get).
-enum { NO_HW, HW_UNSUPPORTED, LAST_BACKEND, BATCH, FORMAT, CUR_CTX, LAST_STREAM, COPIES, DECODES, N_KNOBS };
+enum { NO_HW, HW_UNSUPPORTED, LAST_BACKEND, BATCH, FORMAT, CUR_CTX, LAST_STREAM, COPIES, DECODES,
+       NO_ROI, ROI_FAIL, ROI_DECODES, PARAMS_LIVE, N_KNOBS };
 static long long knobs[N_KNOBS];
 void fake_set(int k, long long v) { knobs[k] = v; }
 long long fake_get(int k) { return knobs[k]; }
@@ -123,5 +125,52 @@ int cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *p, void *stream) {
 		memcpy((char *)(uintptr_t)p->dstDevice + (p->dstY + r) * p->dstPitch + p->dstXInBytes,
 		       (const char *)(uintptr_t)p->srcDevice + (p->srcY + r) * p->srcPitch + p->srcXInBytes, p->WidthInBytes);
 	knobs[COPIES]++;
+	return 0;
+}
+
+// nvjpegDecodeParams_t: the fields the ROI decode reads.
+struct params { int fmt, x, y, w, h; struct handle *h0; };
+
+int nvjpegDecodeParamsCreate(struct handle *h, struct params **p) {
+	if (!h) return 2;
+	*p = calloc(1, sizeof **p);
+	(*p)->h0 = h;
+	knobs[PARAMS_LIVE]++;
+	return 0;
+}
+int nvjpegDecodeParamsDestroy(struct params *p) { free(p); knobs[PARAMS_LIVE]--; return 0; }
+int nvjpegDecodeParamsSetOutputFormat(struct params *p, int fmt) { p->fmt = fmt; return 0; }
+int nvjpegDecodeParamsSetROI(struct params *p, int x, int y, int w, int h) {
+	if (x < 0 || y < 0) return 2;
+	p->x = x, p->y = y, p->w = w, p->h = h;
+	return 0;
+}
+int nvjpegDecodeBatchedSupportedEx(struct handle *h, void *js, struct params *p, int *not_supported) {
+	if (!p || p->h0 != h) return 2;
+	*not_supported = knobs[NO_ROI] || h->backend != 3 ? 1 : 0; // hardware only, as the real one
+	return 0;
+}
+int nvjpegDecodeBatchedEx(struct handle *h, void *st, const unsigned char *const *data, const size_t *lengths,
+			  nvjpegImage_t *dst, struct params **params, void *stream) {
+	if (!h || !st || knobs[FORMAT] != 3) return 2;
+	if (knobs[CUR_CTX] == 0) return 1;
+	if (knobs[ROI_FAIL]) return 9; // NVJPEG_STATUS_IMPLEMENTATION_NOT_SUPPORTED
+	knobs[LAST_STREAM] = (long long)(uintptr_t)stream;
+	for (int i = 0; i < knobs[BATCH]; i++) {
+		struct params *p = params[i];
+		if (lengths[i] < 5 || !p || p->h0 != h || p->fmt != 3 || p->w < 1 || p->h < 1) return 2;
+		int w, ht;
+		dims(data[i], &w, &ht);
+		if (p->x + p->w > w || p->y + p->h > ht) return 3;
+		for (int c = 0; c < 3; c++) {
+			if (dst[i].pitch[c] < (size_t)p->w || !dst[i].channel[c]) return 2;
+			for (int y = 0; y < p->h; y++)
+				for (int x = 0; x < p->w; x++)
+					dst[i].channel[c][y * dst[i].pitch[c] + x] =
+						(unsigned char)(data[i][4] + 50 * c + 3 * (y + p->y) + (x + p->x));
+		}
+		if (dst[i].channel[3] || dst[i].pitch[3]) return 2;
+	}
+	knobs[ROI_DECODES]++;
 	return 0;
 }
