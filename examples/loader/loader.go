@@ -21,13 +21,13 @@ import (
 )
 
 type config struct {
-	data, socket, driver, decode, backend, nvjpeg, sharing string
-	device, batch, crop, ring, workers, consumers, depth   int
-	seed, batches                                          uint64
-	duration, wait                                         time.Duration
-	selfcheck                                              int
-	threshold                                              float64
-	jsonOnly                                               bool
+	data, socket, driver, decode, backend, nvjpeg, sharing, place string
+	device, batch, crop, ring, workers, consumers, depth, lanes   int
+	seed, batches                                                 uint64
+	duration, wait                                                time.Duration
+	selfcheck                                                     int
+	threshold                                                     float64
+	jsonOnly                                                      bool
 }
 
 // Report is the loader's last line on stdout.
@@ -37,6 +37,9 @@ type Report struct {
 	DecodeWhy  string   `json:"decode_why,omitempty"`
 	Backend    string   `json:"backend,omitempty"`
 	BackendWhy []string `json:"backend_why,omitempty"`
+	Place      string   `json:"place,omitempty"` // roi or copy: how crops reach the batch
+	PlaceWhy   string   `json:"place_why,omitempty"`
+	Lanes      int      `json:"lanes,omitempty"` // GPU decode: batches decoded at once
 	Nvjpeg     string   `json:"nvjpeg,omitempty"`
 	Driver     string   `json:"driver"`
 	Sharing    string   `json:"sharing,omitempty"`
@@ -73,6 +76,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&cfg.decode, "decode", "auto", "where to decode: gpu (nvJPEG), cpu (image/jpeg in goroutines), auto (gpu where nvJPEG and a GPU are, else cpu)")
 	fs.StringVar(&cfg.backend, "backend", "auto", "nvJPEG backend: auto (hardware, then gpu-hybrid), hardware, gpu-hybrid, hybrid, default")
 	fs.StringVar(&cfg.nvjpeg, "nvjpeg", "", "libnvjpeg's path (default: probe libnvjpeg.so.13, .12, ..., the toolkit's and pip's directories; CUDASHARE_NVJPEG)")
+	fs.StringVar(&cfg.place, "place", "auto", "nvJPEG: how each crop reaches the batch: roi (decode the region in place, nvjpegDecodeBatchedEx), copy (decode whole, 2D copies), auto (roi where it is taken)")
+	fs.IntVar(&cfg.lanes, "lanes", 2, "nvJPEG: batches decoded at once, each with its own decoder state, stream and goroutine (a decode call that waits for the GPU holds up one lane only); at most -ring - 1")
 	fs.StringVar(&cfg.sharing, "sharing", "auto", "how buffers are shared: auto, vmm or ipc")
 	fs.IntVar(&cfg.batch, "batch", 256, "images per batch (the metadata carries a label, key and crop offset per image: at most about 300 fit in PROTOCOL.md's 4 KiB)")
 	fs.IntVar(&cfg.crop, "crop", 224, "side of the square each image is cropped to")
@@ -97,8 +102,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stderr, "loader: -data DIR is required (make one with examples/datagen)")
 		return 2
 	}
-	if cfg.batch < 1 || cfg.crop < 1 || cfg.ring < 1 || cfg.consumers < 0 || cfg.depth < 1 {
-		fmt.Fprintln(stderr, "loader: -batch, -crop, -ring and -depth must be at least 1, -consumers at least 0")
+	if cfg.batch < 1 || cfg.crop < 1 || cfg.ring < 1 || cfg.consumers < 0 || cfg.depth < 1 || cfg.lanes < 1 {
+		fmt.Fprintln(stderr, "loader: -batch, -crop, -ring, -depth and -lanes must be at least 1, -consumers at least 0")
+		return 2
+	}
+	if cfg.lanes >= cfg.ring && cfg.consumers > 0 {
+		// Each lane holds a buffer while it decodes; the consumer needs
+		// one offered meanwhile.
+		fmt.Fprintf(stderr, "loader: -lanes %d needs -ring of at least %d\n", cfg.lanes, cfg.lanes+1)
 		return 2
 	}
 	if cfg.workers <= 0 {
@@ -203,7 +214,8 @@ func (l *loader) run(ctx context.Context) error {
 	defer stream.Close()
 
 	// Where to decode.
-	var gpu *gpudecode.Decoder
+	var gpu []*gpudecode.Decoder // one per lane
+	streams := []*driver.Stream{stream}
 	switch {
 	case cfg.decode == "cpu":
 		l.rep.DecodeWhy = "-decode cpu"
@@ -219,26 +231,43 @@ func (l *loader) run(ctx context.Context) error {
 		if err != nil {
 			return err
 		}
-		gpu, err = gpudecode.Open(dctx, stream, gpudecode.Config{Library: cfg.nvjpeg, Backends: backends, Crop: cfg.crop})
+		place, err := gpudecode.ParsePlace(cfg.place)
 		if err != nil {
-			if cfg.decode == "gpu" {
-				return err
+			return err
+		}
+		for i := 0; i < cfg.lanes; i++ {
+			if i > 0 {
+				s, err := dctx.NewStream(true)
+				if err != nil {
+					return err
+				}
+				defer s.Close()
+				streams = append(streams, s)
 			}
-			l.rep.DecodeWhy = err.Error()
-			gpu = nil
+			dec, err := gpudecode.Open(dctx, streams[i], gpudecode.Config{Library: cfg.nvjpeg, Backends: backends, Crop: cfg.crop, Place: place})
+			if err != nil {
+				if cfg.decode == "gpu" || i > 0 {
+					return err
+				}
+				l.rep.DecodeWhy = err.Error()
+				break
+			}
+			defer dec.Close()
+			gpu = append(gpu, dec)
 		}
 	}
 	if gpu != nil {
-		defer gpu.Close()
 		l.rep.Decode = "gpu"
-		l.rep.Nvjpeg = gpu.Library()
+		l.rep.Nvjpeg = gpu[0].Library()
+		l.rep.Lanes = len(gpu)
 	} else {
 		l.rep.Decode = "cpu"
 		l.rep.Workers = cfg.workers
 	}
+	lanes := len(streams)
 
 	size := uint64(cfg.batch) * 3 * uint64(cfg.crop) * uint64(cfg.crop)
-	var out sink
+	outs := make([]sink, lanes) // one per lane, on the lane's stream
 	var exp *share.Exporter
 	if cfg.consumers > 0 {
 		sharing, err := share.ParseSharing(cfg.sharing)
@@ -262,18 +291,25 @@ func (l *loader) run(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("a ring of %d batches of %d bytes: %w", cfg.ring, size, err)
 		}
-		out = &ringSink{exp: exp, ring: ring, stream: stream}
-	} else {
-		ls := &localSink{}
-		for i := 0; i < cfg.ring; i++ {
-			p, err := dctx.Alloc(size)
-			if err != nil {
-				return err
-			}
-			defer dctx.Free(p)
-			ls.bufs = append(ls.bufs, p)
+		for i := range outs {
+			outs[i] = &ringSink{exp: exp, ring: ring, stream: streams[i]}
 		}
-		out = ls
+	} else {
+		// Each lane cycles through buffers of its own: its stream's order
+		// is all a buffer needs before the lane writes it again.
+		per := max(1, (cfg.ring+lanes-1)/lanes)
+		for i := range outs {
+			ls := &localSink{}
+			for j := 0; j < per; j++ {
+				p, err := dctx.Alloc(size)
+				if err != nil {
+					return err
+				}
+				defer dctx.Free(p)
+				ls.bufs = append(ls.bufs, p)
+			}
+			outs[i] = ls
+		}
 	}
 
 	g, gctx := errgroup.WithContext(ctx)
@@ -283,6 +319,7 @@ func (l *loader) run(ctx context.Context) error {
 	g.Go(func() error { return source(runCtx, cfg.data, idx, cfg.seed, cfg.batch, cfg.crop, batches) })
 	var cpu *cpuDecoder
 	var hostBatches chan *hostBatch
+	out := outs[0]
 	if gpu == nil {
 		cpu = newCPUDecoder(cfg.crop, cfg.depth)
 		hostBatches = make(chan *hostBatch, cfg.depth)
@@ -328,28 +365,24 @@ func (l *loader) run(ctx context.Context) error {
 	end := t0
 	var loopErr error
 	epochs := 0
-	for n := uint64(0); cfg.batches == 0 || n < cfg.batches; n++ {
+	if gpu != nil {
+		end, epochs, loopErr = l.lanes(runCtx, gpu, outs, batches, t0)
+	}
+	for n := uint64(0); gpu == nil && (cfg.batches == 0 || n < cfg.batches); n++ {
 		var items []item
 		var hb *hostBatch
 		var ok bool
-		if gpu != nil {
-			select {
-			case items, ok = <-batches:
-			case <-runCtx.Done():
+		select {
+		case hb, ok = <-hostBatches:
+		case <-runCtx.Done():
+		}
+		if ok {
+			hb.wg.Wait()
+			if hb.err != nil {
+				loopErr = hb.err
+				break
 			}
-		} else {
-			select {
-			case hb, ok = <-hostBatches:
-			case <-runCtx.Done():
-			}
-			if ok {
-				hb.wg.Wait()
-				if hb.err != nil {
-					loopErr = hb.err
-					break
-				}
-				items = hb.items
-			}
+			items = hb.items
 		}
 		if !ok {
 			break
@@ -361,17 +394,8 @@ func (l *loader) run(ctx context.Context) error {
 			}
 			break
 		}
-		if gpu != nil {
-			ws, hs, xs, ys := make([]int, len(items)), make([]int, len(items)), make([]int, len(items)), make([]int, len(items))
-			jpgs := make([][]byte, len(items))
-			for i, it := range items {
-				ws[i], hs[i], xs[i], ys[i], jpgs[i] = it.W, it.H, it.X, it.Y, it.JPEG
-			}
-			err = gpu.DecodeCrop(jpgs, ws, hs, xs, ys, dst)
-		} else {
-			err = dctx.CopyHtoDAsync(dst, hb.pix, stream)
-			cpu.done(hb)
-		}
+		err = dctx.CopyHtoDAsync(dst, hb.pix, stream)
+		cpu.done(hb)
 		var meta []byte
 		if err == nil {
 			meta, err = batchMeta(n, items, cfg.crop)
@@ -404,8 +428,10 @@ func (l *loader) run(ctx context.Context) error {
 	l.endMu.Lock()
 	l.rep.End = l.endWhy
 	l.endMu.Unlock()
-	if err := stream.Synchronize(); err != nil && loopErr == nil {
-		loopErr = err
+	for _, st := range streams {
+		if err := st.Synchronize(); err != nil && loopErr == nil {
+			loopErr = err
+		}
 	}
 	if exp == nil {
 		end = time.Now() // the decode rate counts the GPU's work too
@@ -418,10 +444,16 @@ func (l *loader) run(ctx context.Context) error {
 	}
 	l.rep.CPUWindowS = round3(cpuNow() - cpu0)
 	if gpu != nil {
-		dt, _, _ := gpu.DecodeTime()
+		var dt time.Duration
+		for _, dec := range gpu {
+			t, _, _ := dec.DecodeTime()
+			dt += t
+		}
 		l.rep.DecodeS = round3(dt.Seconds())
-		b, why := gpu.Backend()
+		b, why := gpu[0].Backend()
 		l.rep.Backend, l.rep.BackendWhy = b.String(), why
+		p, pwhy := gpu[0].Place()
+		l.rep.Place, l.rep.PlaceWhy = p.String(), pwhy
 	} else {
 		l.rep.DecodeS = round3(time.Duration(cpu.decodeN.Load()).Seconds())
 	}

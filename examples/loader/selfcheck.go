@@ -15,6 +15,7 @@ import (
 type checkResult struct {
 	Role      string  `json:"role"`
 	Backend   string  `json:"backend"`
+	Place     string  `json:"place"`  // roi or copy
 	Result    string  `json:"result"` // PASS, FAIL or unavailable
 	Why       string  `json:"why,omitempty"`
 	Nvjpeg    string  `json:"nvjpeg,omitempty"`
@@ -92,32 +93,40 @@ func selfcheck(cfg config, stdout, stderr io.Writer) int {
 
 	passed, failed := 0, 0
 	for _, b := range []gpudecode.Backend{gpudecode.BackendHardware, gpudecode.BackendGPUHybrid} {
-		r := checkResult{Role: "selfcheck", Backend: b.String(), Images: k, Threshold: cfg.threshold, SizesOK: true}
-		r.Result, r.Why = checkBackend(cfg, dctx, stream, dst, b, jpgs, ws, hs, xs, ys, want, &r)
-		switch r.Result {
-		case "PASS":
-			passed++
-		case "FAIL":
-			failed++
+		for _, p := range []gpudecode.Place{gpudecode.PlaceROI, gpudecode.PlaceCopy} {
+			r := checkResult{Role: "selfcheck", Backend: b.String(), Place: p.String(), Images: k, Threshold: cfg.threshold, SizesOK: true}
+			r.Result, r.Why = checkBackend(cfg, dctx, stream, dst, b, p, jpgs, ws, hs, xs, ys, want, &r)
+			switch r.Result {
+			case "PASS":
+				passed++
+			case "FAIL":
+				failed++
+			}
+			fmt.Fprintf(stdout, "selfcheck: %s/%s: %s: %d images, mean abs diff %.3f (threshold %.2f), worst image %.3f, max %d; sizes agree: %v %s\n",
+				b, p, r.Result, k, r.MeanAbs, cfg.threshold, r.WorstMean, r.MaxAbs, r.SizesOK, r.Why)
+			j, _ := json.Marshal(&r)
+			fmt.Fprintf(stdout, "%s\n", j)
 		}
-		fmt.Fprintf(stdout, "selfcheck: %s: %s: %d images, mean abs diff %.3f (threshold %.2f), worst image %.3f, max %d; sizes agree: %v %s\n",
-			b, r.Result, k, r.MeanAbs, cfg.threshold, r.WorstMean, r.MaxAbs, r.SizesOK, r.Why)
-		j, _ := json.Marshal(&r)
-		fmt.Fprintf(stdout, "%s\n", j)
 	}
 	if failed > 0 || passed == 0 {
-		fmt.Fprintf(stdout, "selfcheck: FAIL: %d backend(s) passed, %d failed\n", passed, failed)
+		fmt.Fprintf(stdout, "selfcheck: FAIL: %d backend/placement pair(s) passed, %d failed\n", passed, failed)
 		return 1
 	}
-	fmt.Fprintf(stdout, "selfcheck: PASS: %d backend(s) passed\n", passed)
+	fmt.Fprintf(stdout, "selfcheck: PASS: %d backend/placement pair(s) passed\n", passed)
 	return 0
 }
 
-func checkBackend(cfg config, dctx *driver.Context, stream *driver.Stream, dst driver.DevicePtr, b gpudecode.Backend,
+// checkBackend checks one backend with one placement of the crops (roi:
+// the region decoded in place, as the loader does where it can; copy:
+// whole images and 2D copies). A placement or backend the library or the
+// GPU does not take is "unavailable", except gpu-hybrid with copies, the
+// loader's last resort.
+func checkBackend(cfg config, dctx *driver.Context, stream *driver.Stream, dst driver.DevicePtr, b gpudecode.Backend, p gpudecode.Place,
 	jpgs [][]byte, ws, hs, xs, ys []int, want []byte, r *checkResult) (string, string) {
-	dec, err := gpudecode.Open(dctx, stream, gpudecode.Config{Library: cfg.nvjpeg, Backends: []gpudecode.Backend{b}, Crop: cfg.crop})
+	optional := b == gpudecode.BackendHardware || p == gpudecode.PlaceROI
+	dec, err := gpudecode.Open(dctx, stream, gpudecode.Config{Library: cfg.nvjpeg, Backends: []gpudecode.Backend{b}, Crop: cfg.crop, Place: p})
 	if err != nil {
-		if b == gpudecode.BackendHardware {
+		if optional {
 			return "unavailable", err.Error()
 		}
 		return "FAIL", err.Error()
@@ -133,8 +142,13 @@ func checkBackend(cfg config, dctx *driver.Context, stream *driver.Stream, dst d
 			r.SizesOK = false
 		}
 	}
+	// Poison dst first: a placement that writes nothing must not pass on
+	// the previous check's pixels.
+	if err := dctx.MemsetAsync(dst, 0x5a, uint64(len(want)), stream); err != nil {
+		return "FAIL", err.Error()
+	}
 	if err := dec.DecodeCrop(jpgs, ws, hs, xs, ys, dst); err != nil {
-		if b == gpudecode.BackendHardware {
+		if optional {
 			return "unavailable", err.Error()
 		}
 		return "FAIL", err.Error()
@@ -143,6 +157,9 @@ func checkBackend(cfg config, dctx *driver.Context, stream *driver.Stream, dst d
 		// Only one backend was given: a fallback cannot have happened, but
 		// a "not supported" answer is said.
 		return "unavailable", fmt.Sprint(why)
+	}
+	if got, why := dec.Place(); got != p {
+		return "FAIL", fmt.Sprintf("asked to place by %v, placed by %v (%s)", p, got, why)
 	}
 	got := make([]byte, len(want))
 	if err := dctx.CopyDtoHAsync(got, dst, stream); err != nil {
