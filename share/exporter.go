@@ -29,6 +29,11 @@ type ExporterConfig struct {
 	// for a lost consumer. 0 means DefaultLeaseTimeout; negative, no
 	// deadline.
 	LeaseTimeout time.Duration
+	// LeaseWarn is how long a lease may be held before its holder and
+	// buffer are named in the log, once per lease (exporter_alarm.go). 0
+	// means half the lease timeout (half DefaultLeaseTimeout with none);
+	// negative, never.
+	LeaseWarn time.Duration
 	// MaxLeasesPerConsumer caps the leases one consumer holds at once,
 	// below the credits it granted. 0 means no cap but the credits. Offer
 	// picks, among consumers with a credit, the one holding the fewest
@@ -173,6 +178,7 @@ type Exporter struct {
 	creditWait chan struct{}           // closed when a credit may have come free; made by a waiter
 	changed    chan struct{}           // closed on any other change waiters watch
 	stats      ExporterStats
+	obs        observation // what Snapshot reports beyond stats (exporter_snapshot.go)
 }
 
 // readPass is the reading token's holder's state (exporter_read.go): the
@@ -302,6 +308,7 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 		pids:    make(map[int]*procWatch),
 		cevents: make(map[*consEvent]struct{}),
 		policy:  offerPolicy{maxLeases: uint64(cfg.MaxLeasesPerConsumer)},
+		obs:     newObservation(cfg.LeaseWarn, leaseTimeout),
 	}
 	e.life, e.cancel = context.WithCancel(context.Background())
 	e.rd.init(poll.Wake)

@@ -38,6 +38,7 @@ type consumer struct {
 	// carry no event: the producer waits for the buffer's event on the
 	// host before sending.
 	noEvents bool
+	who      identity // fixed at connect
 
 	// Guarded by Exporter.mu.
 	window, out uint64 // credits granted; offers not released
@@ -59,6 +60,7 @@ type consumer struct {
 	released    bool                            // it has released a lease: no newcomer (pickLocked)
 	dropped     bool                            // forgotten: nothing it held counts
 	abandoned   int                             // VMM buffers given up to it when it was lost
+	obs         consumerCounters                // what Snapshot reports of it
 
 	done chan struct{} // closed when its connection has ended
 
@@ -103,6 +105,10 @@ type leaseSlot struct {
 	// epoch is the lease clock's reading when the offer was made; the
 	// lease janitor compares it with the clock's.
 	epoch uint64
+	// at is Exporter.clock at the offer; warned: its holder was named in
+	// the log for holding it past ExporterConfig.LeaseWarn.
+	at     time.Duration
+	warned bool
 }
 
 // voidedOffer is an offer whose lease the consumer's loss or drop voided
@@ -212,6 +218,7 @@ func (e *Exporter) acceptLoop() {
 			done:       make(chan struct{}),
 			// Fixed for the connection: read without the lock.
 			noEvents: peer.PID == 0,
+			who:      readIdentity(peer.PID),
 		}
 		e.mu.Lock()
 		if e.closing {
@@ -221,6 +228,7 @@ func (e *Exporter) acceptLoop() {
 			cancel()
 			continue
 		}
+		c.obs.since = e.obs.now()
 		e.watchLocked(c, int(peer.PID))
 		e.conns[c] = struct{}{}
 		e.policy.consumers = append(e.policy.consumers, c)
@@ -247,6 +255,7 @@ func (e *Exporter) kick(c *consumer, why error) {
 	if first {
 		c.kicked = true
 		e.stats.ConsumersDropped++
+		c.obs.dropped = why.Error()
 		e.deactivateLocked(c)
 	}
 	e.mu.Unlock()
@@ -262,6 +271,7 @@ func (e *Exporter) onRelease(c *consumer, seqs []uint64, after *consEvent) error
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	defer e.notifyLocked(&e.creditWait)
+	now := e.obs.now() // once for the batch
 	for _, seq := range seqs {
 		idx := uint32(seq)
 		if int(idx) >= len(c.slots) || c.slots[idx].gen != uint32(seq>>32) || c.slots[idx].b == nil {
@@ -282,10 +292,13 @@ func (e *Exporter) onRelease(c *consumer, seqs []uint64, after *consEvent) error
 		c.freeSlots = append(c.freeSlots, idx)
 		c.addOut(-1)
 		e.stats.Releases++
+		c.obs.releases++
+		e.obs.handoff.observe(now - s.at)
 		e.unmapLeaseLocked(c, b)
 		if after != nil {
 			b.waitAfterLocked(after)
 			e.stats.OrderedReleases++
+			c.obs.orderedReleases++
 		}
 		e.unleaseLocked(b)
 	}

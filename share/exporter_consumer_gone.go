@@ -44,6 +44,7 @@ func (e *Exporter) onGone(c *consumer, err error) {
 			// This side's transport ended it for cause, and told it why:
 			// a drop, as a kick is.
 			e.stats.ConsumersDropped++
+			c.obs.dropped = err.Error()
 			e.log.Warn("share: dropping consumer", "peer", c.peer.String(), "why", err)
 		}
 	}

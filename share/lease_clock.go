@@ -38,6 +38,7 @@ func (e *Exporter) leaseJanitor(timeout time.Duration) {
 		e.clock.epoch++
 		stuck, why := e.overdueLocked(timeout)
 		e.warnPinnedLocked(time.Now())
+		e.warnHeldLocked()
 		e.mu.Unlock()
 		for i, c := range stuck {
 			e.kick(c, why[i])

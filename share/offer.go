@@ -196,6 +196,7 @@ func (e *Exporter) Broadcast(ctx context.Context, b *Buffer, opts OfferOptions) 
 			sc.now = append(sc.now, broadcastOffer{c: c, seq: seq, gen: gen, m: m})
 		case c.lagging:
 			e.stats.BroadcastMissed++
+			c.obs.broadcastMissed++
 		default:
 			sc.later = append(sc.later, c) // given the grace below
 		}
@@ -336,6 +337,7 @@ func (e *Exporter) roomLocked(ctx context.Context, c *consumer, b *Buffer, deadl
 			return true, nil
 		case c.lagging:
 			e.stats.BroadcastMissed++
+			c.obs.broadcastMissed++
 			return false, nil
 		}
 		if deadline.IsZero() {
@@ -403,6 +405,7 @@ func (e *Exporter) reserveLocked(c *consumer, b *Buffer) (seq, gen uint64, _ *ma
 	s.b = b
 	s.sent = false
 	s.epoch = e.clock.epoch
+	s.at, s.warned = e.obs.now(), false
 	c.addOut(1)
 	b.leases++
 	b.sending++
@@ -468,6 +471,8 @@ func (e *Exporter) finishLocked(c *consumer, b *Buffer, seq uint64, err error) {
 	if err == nil {
 		e.stats.Offers++
 		e.stats.BytesOffered += b.size
+		c.obs.offers++
+		c.obs.bytesOffered += b.size
 		if b.ring != nil && b.held {
 			b.offered = true
 		}
