@@ -310,6 +310,7 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 		policy:  offerPolicy{maxLeases: uint64(cfg.MaxLeasesPerConsumer)},
 		obs:     newObservation(cfg.LeaseWarn, leaseTimeout),
 	}
+	ln.ServeObservers(e.encodeSnapshot)
 	e.life, e.cancel = context.WithCancel(context.Background())
 	e.rd.init(poll.Wake)
 	e.wg.Add(2)

@@ -73,6 +73,9 @@ func (c *Conn) handshake(ctx context.Context, dialer bool, admit func(*Conn) err
 	} else {
 		mine.session = c.cfg.Session
 	}
+	if c.cfg.Role == RoleObserver {
+		mine.caps = 0 // it receives nothing but snapshots
+	}
 	rand.Read(mine.instanceID[:])
 
 	var werr error
@@ -98,6 +101,9 @@ func (c *Conn) handshake(ctx context.Context, dialer bool, admit func(*Conn) err
 	if theirs.role == c.cfg.Role {
 		return c.handshakeFailed(fmt.Errorf("%w: both sides are %ss", ErrHandshake, theirs.role), true)
 	}
+	if err := checkRoles(c.cfg.Role, theirs.role); err != nil {
+		return c.handshakeFailed(err, true)
+	}
 	c.peer.Role = theirs.role
 	c.peer.InstanceID = theirs.instanceID
 	c.peer.Devices = theirs.devices
@@ -114,7 +120,7 @@ func (c *Conn) handshake(ctx context.Context, dialer bool, admit func(*Conn) err
 			return c.handshakeFailed(err, true)
 		}
 	}
-	shm := mine.caps&CapShm != 0 && theirs.caps&CapShm != 0
+	shm := mine.caps&CapShm != 0 && theirs.caps&CapShm != 0 && !c.observing()
 	if dialer {
 		if err := c.takeShm(shm); err != nil {
 			return c.handshakeFailed(err, true)
@@ -134,6 +140,9 @@ func (c *Conn) handshake(ctx context.Context, dialer bool, admit func(*Conn) err
 		c.sbuf = make([]byte, max(256, c.w-c.r))
 		c.sw = copy(c.sbuf, c.rbuf[c.r:c.w])
 		c.r, c.w = 0, 0
+	}
+	if c.observing() {
+		return nil // no writer: the observer's exchange is synchronous (observer.go)
 	}
 	c.writerDone = make(chan struct{})
 	go c.writeLoop()

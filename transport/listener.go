@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -50,6 +51,9 @@ type Listener struct {
 	pendingPer map[int32]int
 	open       int // connections from their handshake until Conn.Close
 	openPer    map[int32]int
+
+	observe   atomic.Pointer[func() []byte] // ServeObservers (observer.go)
+	observers atomic.Int32                  // observers served now
 }
 
 // pendingHandshake is a connection accepted and not yet handshaken.
@@ -316,13 +320,23 @@ func (l *Listener) admit(nc *net.UnixConn) {
 			nc.Close()
 			return
 		}
-		err = c.handshake(ctx, false, func(c *Conn) error { return l.reserve(hs, c) })
+		err = c.handshake(ctx, false, func(c *Conn) error {
+			if err := l.reserve(hs, c); err != nil {
+				return err
+			}
+			return l.admitObserver(c)
+		})
 		l.donePending(hs)
 		if err != nil {
 			c.Close()
 			if l.ctx.Err() == nil {
 				l.cfg.Logger.Warn("transport: handshake failed", "path", l.path, "err", err)
 			}
+			return
+		}
+		if c.peer.Role == RoleObserver {
+			l.wg.Add(1)
+			go l.serveObserver(c)
 			return
 		}
 		select {

@@ -16,7 +16,7 @@ const (
 	RoleConsumer Role = 2 // imports buffers: sends releases, closed and credits
 )
 
-func (r Role) valid() bool { return r == RoleProducer || r == RoleConsumer }
+func (r Role) valid() bool { return r == RoleProducer || r == RoleConsumer || r == RoleObserver }
 
 func (r Role) String() string {
 	switch r {
@@ -24,6 +24,8 @@ func (r Role) String() string {
 		return "producer"
 	case RoleConsumer:
 		return "consumer"
+	case RoleObserver:
+		return "observer"
 	}
 	return fmt.Sprintf("role(%d)", uint8(r))
 }
