@@ -20,6 +20,7 @@ commands:
   demo      run a producer and two consumer processes for a few seconds, verify
             every batch and report (on the simulated driver without a GPU)
   devices   list the devices, their peer access, P2P attributes and atomic capabilities
+  top       attach to a running producer's socket and show who holds what (-once -json for scripts)
 
 Every command takes -driver auto|cuda|sim (CUDASHARE_DRIVER overrides it).
 `
@@ -50,6 +51,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return runDemo(ctx, args[1:], stdout, stderr)
 	case "devices":
 		return runDevices(args[1:], stdout, stderr)
+	case "top":
+		return runTop(ctx, args[1:], stdout, stderr)
 	// Hidden: the demo re-runs this binary as its producer and consumers.
 	// They are examples/producer and examples/consumer (-h explains them).
 	case "producer":
