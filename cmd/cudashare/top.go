@@ -167,4 +167,3 @@ func bytesStr(n uint64) string {
 	}
 	return fmt.Sprint(n)
 }
-
