@@ -9,4 +9,12 @@ require (
 	golang.org/x/sys v0.49.0
 )
 
-require github.com/vmihailenco/tagparser/v2 v2.0.0 // indirect
+require (
+	github.com/munnerz/goautoneg v0.0.0-20191010083416-a7dc8b61c822 // indirect
+	github.com/pandatix/go-abnf v0.5.5 // indirect
+	github.com/prometheus/client_golang v1.25.0 // indirect
+	github.com/prometheus/client_model v0.6.3 // indirect
+	github.com/prometheus/common v0.74.0 // indirect
+	github.com/vmihailenco/tagparser/v2 v2.0.0 // indirect
+	google.golang.org/protobuf v1.36.12 // indirect
+)

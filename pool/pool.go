@@ -82,6 +82,7 @@ type Pool struct {
 	streams []*driver.Stream
 	done    chan struct{}
 	err     error
+	stats   counters // stats.go
 }
 
 // Start starts workers goroutines that take leases from imp and run h on
@@ -156,7 +157,7 @@ func StartWith(ctx context.Context, imp *share.Importer, cfg Config, h Handler) 
 	}()
 	p := &Pool{g: g, ctx: ctx, lost: lost, lose: lose, imp: imp, cfg: cfg, streams: streams, done: make(chan struct{})}
 	for i := range cfg.Workers {
-		w := worker{imp: imp, h: h, releaseAfter: cfg.ReleaseAfter}
+		w := worker{imp: imp, h: h, releaseAfter: cfg.ReleaseAfter, stats: &p.stats}
 		if streams != nil {
 			w.stream, w.own = streams[i], true
 		}
@@ -211,6 +212,7 @@ type worker struct {
 	stream       *driver.Stream // its own, or nil: the importer's
 	own          bool
 	releaseAfter bool
+	stats        *counters
 }
 
 func (w *worker) work(ctx context.Context) error {
@@ -239,7 +241,9 @@ func (w *worker) work(ctx context.Context) error {
 			l.Release()
 			continue
 		}
+		start := time.Now()
 		err = call(ctx, w.h, l)
+		w.stats.handled(start)
 		var rerr error
 		if w.releaseAfter && err == nil {
 			rerr = l.ReleaseAfter(l.Stream())
