@@ -17,8 +17,8 @@ type Stats struct {
 // counters are updated by the workers, lock-free: one clock read before
 // and after each handler call, beside a handler's microseconds at least.
 type counters struct {
-	calls   atomic.Uint64
-	busy    atomic.Int64
+	calls atomic.Uint64
+	busy  atomic.Int64
 }
 
 func (c *counters) handled(start time.Time) {
