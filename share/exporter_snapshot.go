@@ -196,6 +196,9 @@ func (e *Exporter) Snapshot() ExporterSnapshot {
 	s.Stats.Allocations = len(e.recs.byID)
 	s.Consumers = make([]ConsumerSnapshot, 0, len(e.conns))
 	for c := range e.conns {
+		if c.ended && !c.holdsLocked() && c.abandoned == 0 {
+			continue // gone, holding nothing: not the operator's concern
+		}
 		s.Consumers = append(s.Consumers, e.consumerSnapshotLocked(c, now, &s.LeaseAges))
 	}
 	slices.SortFunc(s.Consumers, func(a, b ConsumerSnapshot) int {
