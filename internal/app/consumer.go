@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
+	"github.com/seed743c36cf/cudashare/metrics"
 	"github.com/seed743c36cf/cudashare/pool"
 	"github.com/seed743c36cf/cudashare/share"
 )
@@ -54,6 +55,7 @@ type consumerConfig struct {
 	progress        string
 	reportEvery     time.Duration
 	verbose         bool
+	metrics         string // -metrics: where /metrics is served
 }
 
 // verifyMode is what -verify checks of a batch.
@@ -122,6 +124,7 @@ func RunConsumer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.StringVar(&cfg.progress, "progress", "auto", "live progress line: auto (when stdout is a terminal), on, off")
 	fs.DurationVar(&cfg.reportEvery, "report-every", 0, "print a JSON progress line (ConsumerProgress) to stdout this often while consuming, for scripts and tests watching a long run (0: none)")
 	fs.BoolVar(&cfg.verbose, "v", false, "log more")
+	fs.StringVar(&cfg.metrics, "metrics", "", "serve Prometheus metrics at http://ADDR/metrics (host:port; empty: none)")
 	cpuprofile := cpuProfileFlag(fs)
 	if code, done := parseFlags(fs, args, stdout); done {
 		return code
@@ -275,6 +278,14 @@ func (c *consumer) dial(ctx context.Context, dctx *driver.Context, stream *drive
 	}
 	imp, err := share.Dial(ctx, c.cfg.socket, dctx, icfg)
 	if err == nil {
+		if c.cfg.metrics != "" {
+			stop, err := serveMetrics(c.cfg.metrics, metrics.NewImporterCollector(imp), c.log)
+			if err != nil {
+				imp.Close()
+				return nil, err
+			}
+			context.AfterFunc(ctx, stop)
+		}
 		return imp, nil
 	}
 	if ctx.Err() != nil {

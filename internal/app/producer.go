@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
+	"github.com/seed743c36cf/cudashare/metrics"
 	"github.com/seed743c36cf/cudashare/share"
 )
 
@@ -58,6 +59,7 @@ type producerConfig struct {
 	reportEvery     time.Duration
 	json            bool
 	verbose         bool
+	metrics         string // -metrics: where /metrics is served
 }
 
 // RunProducer runs the example producer with command-line args (without
@@ -90,6 +92,7 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 	fs.DurationVar(&cfg.spin, "spin", 0, "with -shm, how long a receive polls a consumer's shm lane before it sleeps on the socket, while messages come about that often (0: the transport's default, 50µs; negative: never)")
 	fs.BoolVar(&cfg.json, "json", false, "print one JSON line of results instead of the summary")
 	fs.BoolVar(&cfg.verbose, "v", false, "log consumers arriving and leaving")
+	fs.StringVar(&cfg.metrics, "metrics", "", "serve Prometheus metrics at http://ADDR/metrics (host:port; empty: none)")
 	cpuprofile := cpuProfileFlag(fs)
 	if code, done := parseFlags(fs, args, stdout); done {
 		return code
@@ -148,6 +151,7 @@ func RunProducer(ctx context.Context, args []string, stdout, stderr io.Writer) i
 		writeJSON(stdout, &p.rep)
 	} else {
 		p.summary(stdout)
+		writeConsumerTable(stdout, p.rep.Consumers)
 	}
 	if err != nil {
 		fmt.Fprintf(stderr, "producer: %v\n", err)
@@ -198,6 +202,14 @@ func (p *producer) run(ctx context.Context) error {
 	signal.Notify(hup, syscall.SIGHUP)
 	defer signal.Stop(hup)
 	var cur atomic.Pointer[share.Exporter]
+	if p.cfg.metrics != "" {
+		// Scrapes follow the exporter of the moment (a SIGHUP makes a new one).
+		stop, err := serveMetrics(p.cfg.metrics, currentExporter{&cur}, p.log)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
 	if p.cfg.reportEvery > 0 {
 		// No progress line may follow the final report.
 		defer runLoop(func(done <-chan struct{}) { p.reportLoop(&cur, done) })()
@@ -240,6 +252,8 @@ func (p *producer) run(ctx context.Context) error {
 		}()
 		runErr = p.serve(serveCtx, exp, dev.ctx, stream)
 		stopServe()
+		// Who held what at the end of serving, before the goodbyes.
+		p.rep.Consumers = exp.Snapshot().Consumers
 		if err := stream.Synchronize(); err != nil && runErr == nil {
 			runErr = fmt.Errorf("synchronize the fill stream: %w", err)
 		}

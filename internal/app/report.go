@@ -3,6 +3,8 @@ package app
 import (
 	"encoding/json"
 	"io"
+
+	"github.com/seed743c36cf/cudashare/share"
 )
 
 // ProducerReport is what the producer prints with -json: one line, read
@@ -46,9 +48,11 @@ type ProducerReport struct {
 	// Consumers that left with an error message of their own (the log
 	// says which, the code and their text).
 	ConsumersFailed uint64 `json:"consumers_failed"`
-	OrderedReleases uint64 `json:"ordered_releases"` // releases that were stream-ordered (consumer -verify async)
-	BroadcastMissed uint64 `json:"broadcast_missed"`
-	Retired         uint64 `json:"retired"`
+	// Consumers is who held what when serving ended (share.Exporter.Snapshot).
+	Consumers       []share.ConsumerSnapshot `json:"consumers,omitempty"`
+	OrderedReleases uint64                   `json:"ordered_releases"` // releases that were stream-ordered (consumer -verify async)
+	BroadcastMissed uint64                   `json:"broadcast_missed"`
+	Retired         uint64                   `json:"retired"`
 	// Buffers given up to lost consumers that may still read them (VMM),
 	// and ring allocations replaced with fresh memory because of them.
 	Abandoned uint64 `json:"abandoned"`
