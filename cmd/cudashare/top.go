@@ -85,11 +85,17 @@ func writeTop(w io.Writer, s, prev *share.ExporterSnapshot) {
 			before[keyOf(&c)] = c
 		}
 	}
-	rate := func(now, then uint64) float64 {
-		if dt <= 0 {
+	// Rates over the time since the last refresh, or, on the first,
+	// since the consumer connected.
+	rate := func(c *share.ConsumerSnapshot, now, then uint64) float64 {
+		d := dt
+		if prev == nil || c.Connected < dt {
+			d = c.Connected
+		}
+		if d <= 0 {
 			return 0
 		}
-		return float64(now-then) / dt.Seconds()
+		return float64(now-then) / d.Seconds()
 	}
 	st := &s.Stats
 	fmt.Fprintf(w, "producer pid %d  %s  device %s  sharing %s  up %s\n", s.PID, s.Socket, s.Device, s.Sharing, s.Uptime.Round(time.Second))
@@ -118,7 +124,7 @@ func writeTop(w io.Writer, s, prev *share.ExporterSnapshot) {
 		}
 		fmt.Fprintf(tw, "%d\t%s\t%s\t%s\t%d\t%d\t%s\t%s\t%s\t%.0f\t%.0f\t%d\t%d\t%s\t\n",
 			c.PID, comm, c.State, c.Path, c.Credits, c.Leases, durStr(c.OldestLease), bytesStr(c.LeasedBytes), bytesStr(c.MappedBytes),
-			rate(c.Offers, b.Offers), rate(c.Releases, b.Releases), c.Offers, c.BroadcastMissed, c.Connected.Round(time.Second))
+			rate(c, c.Offers, b.Offers), rate(c, c.Releases, b.Releases), c.Offers, c.BroadcastMissed, c.Connected.Round(time.Second))
 	}
 	tw.Flush()
 	if s.Truncated > 0 {
