@@ -34,6 +34,7 @@ func runDevices(args []string, stdout, stderr io.Writer) int {
 		ipc, _ := dev.Attribute(driver.AttrIpcEventSupported)
 		fmt.Fprintf(stdout, "  %d  %s  %s  %.1f GiB  sm_%d%d  ipc-events=%d\n", dev.Ordinal(), dev.UUID(), name, float64(mem)/(1<<30), major, minor, ipc)
 		fmt.Fprintf(stdout, "     vmm: %s\n", vmmLine(dev))
+		fmt.Fprintf(stdout, "     fabric: %s\n", fabricLine(dev))
 	}
 	if len(devs) < 2 {
 		return exitOK
@@ -75,7 +76,7 @@ func vmmLine(dev *driver.Device) string {
 	if err != nil {
 		return err.Error()
 	}
-	line := fmt.Sprintf("supported=%v posix-fd=%v fabric=%v", s.VMM, s.PosixFD, s.Fabric)
+	line := fmt.Sprintf("supported=%v posix-fd=%v fabric-attribute=%v", s.VMM, s.PosixFD, s.Fabric)
 	if !s.VMM {
 		return line
 	}
@@ -94,4 +95,14 @@ func granSize(n uint64) string {
 		return fmt.Sprintf("%d KiB", n>>10)
 	}
 	return fmt.Sprintf("%d B", n)
+}
+
+// fabricLine tells whether fabric handles are usable here, not only what
+// the device attribute says (driver.Device.ProbeFabric).
+func fabricLine(dev *driver.Device) string {
+	f, err := dev.ProbeFabric()
+	if err != nil {
+		return "could not tell: " + err.Error()
+	}
+	return f.Why
 }

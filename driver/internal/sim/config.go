@@ -18,6 +18,8 @@ import (
 const (
 	EnvDir      = "CUDASHARE_SIM_DIR"
 	EnvTopology = "CUDASHARE_SIM_TOPOLOGY"
+	// EnvFabric models fabric handles (Config.Fabric).
+	EnvFabric = "CUDASHARE_SIM_FABRIC"
 	EnvVisible  = "CUDA_VISIBLE_DEVICES"
 )
 
@@ -51,6 +53,13 @@ type Config struct {
 	// then fails with CUDA_ERROR_NO_DEVICE; a device listed twice makes
 	// cuInit fail with CUDA_ERROR_INVALID_DEVICE.
 	VisibleDevices []string
+	// Fabric models CU_MEM_HANDLE_TYPE_FABRIC: "" (the default), the
+	// devices do not support it (the attribute reads 0); "noimex", the
+	// attribute reads 1 but the machine has no IMEX channel, so cuMemCreate
+	// requesting it is CUDA_ERROR_NOT_PERMITTED, as on an H200 without
+	// nvidia-imex (measured); "imex", it reads 1 and cuMemCreate accepts it
+	// (the allocation is an ordinary one: nothing exports fabric handles).
+	Fabric string
 }
 
 // Topology is the simulated machine. In CUDASHARE_SIM_TOPOLOGY it is JSON,
@@ -124,7 +133,12 @@ func DefaultDir() string {
 // ConfigFromEnv reads CUDASHARE_SIM_DIR, CUDASHARE_SIM_TOPOLOGY and
 // CUDA_VISIBLE_DEVICES.
 func ConfigFromEnv() (Config, error) {
-	cfg := Config{Dir: os.Getenv(EnvDir)}
+	cfg := Config{Dir: os.Getenv(EnvDir), Fabric: os.Getenv(EnvFabric)}
+	switch cfg.Fabric {
+	case "", "noimex", "imex":
+	default:
+		return Config{}, fmt.Errorf("%s=%q: want noimex, imex or nothing", EnvFabric, cfg.Fabric)
+	}
 	if s, ok := os.LookupEnv(EnvTopology); ok && strings.TrimSpace(s) != "" {
 		t, err := ParseTopology(s)
 		if err != nil {

@@ -40,6 +40,7 @@ type Driver struct {
 	self     procID
 	secret   uint64 // the machine's IPC handle key, copied from the registry
 	epoch    time.Time
+	fabric   string // Config.Fabric
 
 	state atomic.Int32
 
@@ -137,7 +138,7 @@ func NewWithConfig(cfg Config) (*Driver, error) {
 		return nil, err
 	}
 	d := &Driver{
-		m: m, dir: dir, self: self, secret: reg.hdr.secret, epoch: time.Now(), reg: reg,
+		m: m, dir: dir, self: self, secret: reg.hdr.secret, epoch: time.Now(), reg: reg, fabric: cfg.Fabric,
 		contexts: make(map[*ctxState]struct{}),
 		stacks:   make(map[int32][]*ctxState),
 		imports:  make(map[importKey]*memObj),
@@ -423,6 +424,9 @@ func (d *Driver) DeviceGetAttribute(value *int32, attrib int32, dev api.Device) 
 		*value = 1
 	case api.AttrHandleTypeFabricSupported:
 		*value = 0
+		if d.fabric != "" {
+			*value = 1
+		}
 	case api.AttrComputeCapabilityMajor:
 		*value = dv.ccMajor
 	case api.AttrComputeCapabilityMinor:

@@ -322,7 +322,15 @@ func (d *Driver) MemCreate(handle *api.MemHandle, size uint64, prop *api.MemAllo
 	if r != api.Success {
 		return r
 	}
-	if prop.RequestedHandleTypes&^api.MemHandleTypePosixFileDescriptor != 0 {
+	if prop.RequestedHandleTypes&api.MemHandleTypeFabric != 0 {
+		switch d.fabric {
+		case "":
+			return api.ErrorNotSupported
+		case "noimex":
+			return api.ErrorNotPermitted
+		}
+	}
+	if prop.RequestedHandleTypes&^(api.MemHandleTypePosixFileDescriptor|api.MemHandleTypeFabric) != 0 {
 		return api.ErrorNotSupported
 	}
 	if r := d.lock(); r != api.Success {
