@@ -19,8 +19,8 @@ const (
 	EnvDir      = "CUDASHARE_SIM_DIR"
 	EnvTopology = "CUDASHARE_SIM_TOPOLOGY"
 	// EnvFabric models fabric handles (Config.Fabric).
-	EnvFabric = "CUDASHARE_SIM_FABRIC"
-	EnvVisible  = "CUDA_VISIBLE_DEVICES"
+	EnvFabric  = "CUDASHARE_SIM_FABRIC"
+	EnvVisible = "CUDA_VISIBLE_DEVICES"
 )
 
 // Defaults of the simulated machine: two H200-like devices joined by NVLink,
