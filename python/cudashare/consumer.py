@@ -235,6 +235,7 @@ class Consumer(Reader, Releases):
         self._n_msgs = 0
         self._n_ordered = 0
         self._n_views = 0        # Lease.array's cached views, over every allocation
+        self._wait_s = 0.0       # seconds next() waited for an offer (_observed)
         self._reap_t = 0.0       # the last look for leases lost with their views (Releases._reap_orphans)
         # The shm channel (shm.py), once the handshake agreed on
         # them: frames go through _out, and the socket only carries
@@ -518,10 +519,14 @@ class Consumer(Reader, Releases):
         q = self._queue
         lock = self._lock
         deadline = None
+        waited = None  # when this call began to wait: none queued
         while True:
             with lock:
                 if self._closed:
                     raise Closed("this consumer is closed")
+                if waited is not None:
+                    self._wait_s += time.monotonic() - waited
+                    waited = None
                 if q and (self._end is None or isinstance(self._end, Closed)):
                     self._n_handoffs += 1
                     self._user_t = time.monotonic()
@@ -558,7 +563,7 @@ class Consumer(Reader, Releases):
                         self._reap_t = now
                         self._reap_orphans()
                 self._push_locked()
-                self._user_t = time.monotonic()
+                self._user_t = waited = time.monotonic()
             # The socket is free: read it here, in the caller's thread.
             if self._take_rtok():
                 try:
@@ -700,6 +705,7 @@ class Consumer(Reader, Releases):
             d.update(offers=self._n_offers, handoffs=self._n_handoffs, releases=self._n_releases,
                      bytes=self._n_bytes, release_messages=self._n_msgs, ordered_releases=self._n_ordered,
                      shm=self._out is not None)
+            d.update(self._observed())
             return d
 
     def close(self, timeout=5.0, reason="consumer closed"):
@@ -816,3 +822,21 @@ class Consumer(Reader, Releases):
                 self.close(timeout=0.5, reason="consumer garbage-collected")
         except Exception:
             pass
+
+
+def _observed_stats(c):
+    """What an operator asks of a consumer now (Consumer.stats): leases
+    held, allocations mapped and their bytes, seconds waited in next(), and
+    the message path ("shm" or "socket"). The caller holds c._lock."""
+    maps = [a for a in c._allocs.values() if not a.closed]
+    return {
+        "held": len(c._outstanding),
+        "mapped": len(maps),
+        "mapped_bytes": sum(getattr(a.mapping, "size", 0) or 0 for a in maps),
+        "wait_seconds": c._wait_s,
+        "path": "shm" if c._out is not None else "socket",
+    }
+
+
+Consumer._observed = _observed_stats
+
