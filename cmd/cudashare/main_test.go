@@ -37,7 +37,8 @@ func TestDemo(t *testing.T) {
 	}
 	s := out.String()
 	t.Logf("\n%s", s)
-	for _, want := range []string{"driver", "devices", "batches", "handoffs/s", "releases", "latency", "violations", "result:     ok"} {
+	for _, want := range []string{"driver", "devices", "batches", "handoffs/s", "releases", "latency", "violations", "result:     ok",
+		"consumers at the end of serving:", "LEASES"} {
 		if !strings.Contains(s, want) {
 			t.Errorf("the report has no %q", want)
 		}

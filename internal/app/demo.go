@@ -219,9 +219,11 @@ func RunDemo(ctx context.Context, args []string, stdout, stderr io.Writer, comma
 	}
 	if !ok {
 		row("result", "FAILED")
+		writeConsumerTable(stdout, pr.Consumers)
 		return ExitFailure
 	}
 	row("result", "ok")
+	writeConsumerTable(stdout, pr.Consumers)
 	return ExitOK
 }
 
