@@ -70,8 +70,12 @@ func (c *Conn) observing() bool {
 // checkRoles refuses a pair of roles that cannot talk: an observer talks
 // only to a producer.
 func checkRoles(mine, theirs Role) error {
-	if (mine == RoleObserver && theirs != RoleProducer) || (theirs == RoleObserver && mine != RoleProducer) {
-		return fmt.Errorf("%w: an observer talks to producers only, not to a %s", ErrHandshake, map[bool]Role{true: theirs, false: mine}[mine == RoleObserver])
+	other := theirs
+	if theirs == RoleObserver {
+		other = mine
+	}
+	if (mine == RoleObserver || theirs == RoleObserver) && other != RoleProducer {
+		return fmt.Errorf("%w: an observer talks to producers only, not to a %s", ErrHandshake, other)
 	}
 	return nil
 }
