@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/top-cost.sh: what watching a producer costs. One producer lends a
+# bench/top-cost.sh: what watching a producer costs. One producer offers a
 # ring of 64 x 1 MiB (the handoff alone: -fill=false, consumers -verify none)
 # to N consumers for -seconds; each row is repeated -reps times, the modes
 # interleaved so that drift hits them alike:

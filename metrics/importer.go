@@ -20,7 +20,7 @@ var (
 	dImpLeases   = desc("importer_leases_total", "Leases handed out by Next.")
 	dImpReleased = desc("importer_released_total", "Leases released.")
 	dImpLeaked   = desc("importer_leaked_total", "Leases garbage-collected without Release.")
-	dImpHeld     = desc("importer_held_leases", "Leases handed out and not released now.")
+	dImpHeld     = desc("importer_held_leases", "Leases returned by Next and not released now.")
 	dImpMappings = desc("importer_mappings", "Allocations mapped now.")
 	dImpMapped   = desc("importer_mapped_bytes", "Bytes of the allocations mapped now.")
 	dImpRetired  = desc("importer_retired_total", "Allocations the producer retired that this importer closed.")

@@ -24,7 +24,7 @@ import (
 type ExporterSnapshot struct {
 	PID     int    // the producer's process
 	Socket  string // its socket's path
-	Device  string // the UUID of the device it lends from
+	Device  string // the UUID of the device it offers buffers of
 	Sharing string // "vmm" or "ipc"
 	// Uptime is how long the exporter has run, by the monotonic clock:
 	// rates are differences of counters over differences of Uptime.
@@ -96,7 +96,7 @@ type RingSnapshot struct {
 	Alloc   uint64 // its first allocation's id
 	Buffers int
 	Free    int // ready to be acquired
-	Leased  int // lent to consumers now
+	Leased  int // leased to consumers now
 }
 
 // ArenaSnapshot is one arena's occupancy.

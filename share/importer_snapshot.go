@@ -30,7 +30,7 @@ type ImporterSnapshot struct {
 type MappingSnapshot struct {
 	Alloc   uint64 // the producer's allocation id
 	Size    uint64
-	Leases  int  // queued and handed out in it
+	Leases  int  // its leases queued or returned by Next
 	Retired bool // the producer retired it; closed once no lease is in it
 }
 
@@ -43,7 +43,7 @@ func (im *Importer) waited(start time.Time) {
 // spent waiting in Next.
 func (im *Importer) Snapshot() ImporterSnapshot {
 	s := ImporterSnapshot{Stats: im.Stats(), Waiting: time.Duration(im.waitNanos.Load()), Path: "socket"}
-	if im.Ring() {
+	if im.Shm() {
 		s.Path = "shm"
 	}
 	im.mu.Lock()
