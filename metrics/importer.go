@@ -24,7 +24,7 @@ var (
 	dImpMappings = desc("importer_mappings", "Allocations mapped now.")
 	dImpMapped   = desc("importer_mapped_bytes", "Bytes of the allocations mapped now.")
 	dImpRetired  = desc("importer_retired_total", "Allocations the producer retired that this importer closed.")
-	dImpWaiting  = desc("importer_next_wait_seconds_total", "Time spent in Next waiting for an offer, all goroutines together.")
+	dImpWaiting  = desc("importer_next_wait_seconds_total", "Time spent in Next waiting for an offer, all goroutines together, since the first scrape.")
 )
 
 // Describe sends the descriptors of every metric.

@@ -241,9 +241,15 @@ func (w *worker) work(ctx context.Context) error {
 			l.Release()
 			continue
 		}
-		start := time.Now()
+		var start time.Time
+		timed := w.stats.timing.Load() // after the first Stats (stats.go)
+		if timed {
+			start = time.Now()
+		}
 		err = call(ctx, w.h, l)
-		w.stats.handled(start)
+		if timed {
+			w.stats.handled(start)
+		}
 		var rerr error
 		if w.releaseAfter && err == nil {
 			rerr = l.ReleaseAfter(l.Stream())

@@ -161,7 +161,8 @@ type Importer struct {
 	ending    atomic.Bool   // set by endLocked before anything else
 	held      atomic.Int64  // leases returned (or being returned) and not released
 	handed    atomic.Uint64 // ImporterStats.Leases
-	waitNanos atomic.Int64  // time spent in Next waiting for an offer (importer_snapshot.go)
+	waitNanos atomic.Int64  // time spent in Next waiting for an offer, once timing (importer_snapshot.go)
+	timing    atomic.Bool   // set by the first Snapshot
 	direct    atomic.Uint64 // ImporterStats.Direct
 	evUse     atomic.Int64  // Nexts and WaitOns that may use a producer's event without mu (useEvent)
 	evClosing atomic.Bool   // close wants the producer's events destroyed
@@ -412,7 +413,9 @@ func (im *Importer) next(ctx context.Context, s *driver.Stream) (*Lease, error) 
 func (im *Importer) wait(ctx context.Context) (_ *Lease, direct bool, _ error) {
 	im.rd.begin()
 	defer im.rd.end()
-	defer im.waited(time.Now()) // only when no lease was queued: the slow path
+	if im.timing.Load() {
+		defer im.waited(time.Now()) // only when no lease was queued: the slow path
+	}
 	pushed := false
 	for {
 		// The token, if free, without a select of every case: this runs

@@ -16,8 +16,10 @@ import (
 type ImporterSnapshot struct {
 	Stats ImporterStats
 	// Waiting is the time goroutines spent in Next waiting for an offer
-	// (none queued), together: a consumer that waits a lot is starved by
-	// its producer, one that never waits keeps the producer waiting.
+	// (none queued), together, since the first Snapshot: a consumer that
+	// waits a lot is starved by its producer, one that never waits keeps
+	// the producer waiting. It is measured only once asked for: two clock
+	// reads per wait cost a fast consumer measurably (bench/top-cost.sh).
 	Waiting time.Duration
 	// Path is how messages travel: "shm" (shared memory) or "socket".
 	Path     string
@@ -42,6 +44,7 @@ func (im *Importer) waited(start time.Time) {
 // Snapshot returns the importer's counters, its mappings and the time
 // spent waiting in Next.
 func (im *Importer) Snapshot() ImporterSnapshot {
+	im.timing.Store(true)
 	s := ImporterSnapshot{Stats: im.Stats(), Waiting: time.Duration(im.waitNanos.Load()), Path: "socket"}
 	if im.Shm() {
 		s.Path = "shm"
