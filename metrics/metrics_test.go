@@ -129,3 +129,56 @@ func scrape(t *testing.T, url string) map[string]*dto.MetricFamily {
 }
 
 func itoa(n int) string { return strconv.Itoa(n) }
+
+// TestScrapeImporter: an importer's collector, scraped over HTTP and
+// parsed with Prometheus' parser, counts the lease it holds and the
+// allocation it maps, and the time Next waited once it has been scraped.
+func TestScrapeImporter(t *testing.T) {
+	env := sharetest.Setup(t)
+	ctx := sharetest.Ctx(t)
+	path := sharetest.SocketPath(t)
+	p := sharetest.Start(t, "producer", sharetest.EnvParam(sharetest.ParamPath, path), sharetest.EnvParam(sharetest.ParamCount, 2))
+	p.Expect("LISTENING")
+	im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 1, Logger: sharetest.Logger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer im.Close()
+	reg := prometheus.NewPedanticRegistry()
+	reg.MustRegister(metrics.NewImporterCollector(im))
+	srv := httptest.NewServer(promhttp.HandlerFor(reg, promhttp.HandlerOpts{ErrorHandling: promhttp.HTTPErrorOnError}))
+	defer srv.Close()
+	scrape(t, srv.URL) // turns the timing of Next's waits on
+
+	l, err := im.Next(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fams := scrape(t, srv.URL)
+	value := func(name string) float64 {
+		f := fams[name]
+		if f == nil || len(f.Metric) != 1 {
+			t.Fatalf("%s: %v", name, f)
+		}
+		if g := f.Metric[0].GetGauge(); g != nil {
+			return g.GetValue()
+		}
+		return f.Metric[0].GetCounter().GetValue()
+	}
+	if value("cudashare_importer_held_leases") != 1 || value("cudashare_importer_leases_total") != 1 ||
+		value("cudashare_importer_mappings") < 1 || value("cudashare_importer_mapped_bytes") <= 0 {
+		t.Errorf("importer metrics with one lease held: %v", fams)
+	}
+	l.Release()
+	l, err = im.Next(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.Release()
+	fams = scrape(t, srv.URL)
+	if value("cudashare_importer_released_total") != 2 || value("cudashare_importer_held_leases") != 0 ||
+		value("cudashare_importer_next_wait_seconds_total") <= 0 {
+		t.Errorf("importer metrics after two leases released: %v", fams)
+	}
+	p.Wait()
+}

@@ -30,7 +30,7 @@ func (c *counters) handled(start time.Time) {
 }
 
 // Stats returns the pool's counters, and starts counting on its first
-// call.
+// call: a handler call under way then is not counted.
 func (p *Pool) Stats() Stats {
 	p.stats.timing.Store(true)
 	return Stats{Workers: p.cfg.Workers, Handled: p.stats.calls.Load(), Busy: time.Duration(p.stats.busy.Load())}
