@@ -100,13 +100,13 @@ func TestObserverBounds(t *testing.T) {
 	}
 	obs[0].Close()
 	var err error
-	for i := 0; i < 100; i++ { // its place comes back once the producer sees the close
+	// Its place comes back once the producer sees the close.
+	for deadline := time.Now().Add(20 * time.Second); time.Now().Before(deadline); time.Sleep(10 * time.Millisecond) {
 		var o *share.Observer
 		if o, err = share.Observe(ctx, e.Addr()); err == nil {
 			o.Close()
 			break
 		}
-		time.Sleep(10 * time.Millisecond)
 	}
 	if err != nil {
 		t.Fatalf("an observer's place did not come back: %v", err)
