@@ -20,7 +20,9 @@ import (
 
 // currentExporter collects the metrics of the exporter of the moment: the
 // producer makes a new one at each restart (SIGHUP).
-type currentExporter struct{ cur *atomic.Pointer[share.Exporter] }
+type currentExporter struct {
+	cur *atomic.Pointer[share.Exporter]
+}
 
 func (c currentExporter) Describe(ch chan<- *prometheus.Desc) {
 	metrics.NewExporterCollector(nil).Describe(ch)

@@ -14,7 +14,6 @@ import (
 	"time"
 
 	"github.com/seed743c36cf/cudashare/driver"
-	"github.com/seed743c36cf/cudashare/metrics"
 	"github.com/seed743c36cf/cudashare/share"
 )
 
