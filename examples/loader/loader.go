@@ -366,7 +366,11 @@ func (l *loader) run(ctx context.Context) error {
 	var loopErr error
 	epochs := 0
 	if gpu != nil {
-		end, epochs, loopErr = l.lanes(runCtx, gpu, outs, batches, t0)
+		decs := make([]cropDecoder, len(gpu))
+		for i, dec := range gpu {
+			decs[i] = dec
+		}
+		end, epochs, loopErr = l.lanes(runCtx, decs, outs, batches, t0)
 	}
 	for n := uint64(0); gpu == nil && (cfg.batches == 0 || n < cfg.batches); n++ {
 		var items []item
