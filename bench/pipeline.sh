@@ -95,14 +95,17 @@ if ! timeout 60 "$PY" -c 'import msgpack' 2>/dev/null && [ -d .gpu/pylib/msgpack
 	PYENV=(env "PYTHONPATH=$PWD/python:$PWD/.gpu/pylib${PYTHONPATH:+:$PYTHONPATH}" MSGPACK_PUREPYTHON=1)
 fi
 ncpu=$(nproc)
-trainer_t=$((seconds + 150)) # a trainer: import, model, cuDNN autotuning, -seconds, shutdown
+trainer_t=$((seconds + ${PIPELINE_TRAINER_SLACK:-150})) # a trainer: import, model, cuDNN autotuning, -seconds, shutdown
 [ "$steps" -gt 0 ] && trainer_t=$((steps / 2 + 150))
 measure=(--seconds "$seconds" --steps "$steps" --warmup "$warmup" --batch "$batch")
 echo "pipeline: $images images, batch $batch, ${seconds}s per contender (steps $steps), cores: $cores of $ncpu; logs in $OUT"
 command -v nvidia-smi >/dev/null && timeout -k 5 30 nvidia-smi -L
 
 log() { # log LABEL FILE: the end of a process's stderr into logs.txt
-	{ echo "== $1"; tail -n 15 "$2"; } >>"$OUT/logs.txt"
+	# (all of it after a hang: its stacks, from SIGQUIT or SIGUSR1 below)
+	local n=15
+	grep -q "^goroutine \|^Current thread\|^Thread 0x" "$2" 2>/dev/null && n=400
+	{ echo "== $1"; tail -n $n "$2"; } >>"$OUT/logs.txt"
 }
 want() { [[ $1 =~ $only ]]; }
 cpuset() { echo "0-$(($1 - 1))"; }
@@ -178,13 +181,16 @@ pair() { # pair LABEL CORES: the loader and the trainer on one core set
 	echo "== $label, $c cores"
 	local sock=$work/s/loader.sock
 	rm -f "$sock"
-	timeout -k 10 $((trainer_t + 30)) taskset -c "$(cpuset "$c")" "$bin/loader" -data "$data" -socket "$sock" -batch "$batch" \
+	# A hang is not silent: at its limit the loader gets SIGQUIT (Go prints
+	# every goroutine's stack) and the trainer SIGUSR1 (train.py's
+	# faulthandler prints every thread's), each killed 10 s later.
+	timeout -s QUIT -k 10 $((trainer_t + 30)) taskset -c "$(cpuset "$c")" "$bin/loader" -data "$data" -socket "$sock" -batch "$batch" \
 		-ring 8 -wait 120s "${LARGS[@]}" >"$work/rows/$label-$c.loader" 2>"$work/logs/$label-$c.loader.err" &
 	local lpid=$!
-	timeout -k 10 "$trainer_t" taskset -c "$(cpuset "$c")" "${PYENV[@]}" "$PY" examples/python/train.py --data "$data" "${measure[@]}" \
+	timeout -s USR1 -k 10 "$trainer_t" taskset -c "$(cpuset "$c")" "${PYENV[@]}" "$PY" examples/python/train.py --data "$data" "${measure[@]}" \
 		--source cudashare --socket "$sock" --credits 4 >"$work/rows/$label-$c.trainer" 2>"$work/logs/$label-$c.trainer.err"
 	local rc=$?
-	[ $rc != 0 ] && { echo "   trainer exit $rc" | tee -a "$work/logs/$label-$c.trainer.err"; kill -TERM $lpid 2>/dev/null; }
+	[ $rc != 0 ] && { echo "   trainer exit $rc" | tee -a "$work/logs/$label-$c.trainer.err"; kill -QUIT $lpid 2>/dev/null; }
 	wait $lpid
 	local lrc=$?
 	[ $lrc != 0 ] && echo "   loader exit $lrc" | tee -a "$work/logs/$label-$c.loader.err"

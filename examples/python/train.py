@@ -27,11 +27,13 @@ process's CPU time and its children's (DataLoader's workers), label errors.
 """
 
 import argparse
+import faulthandler
 import io
 import json
 import os
 import random
 import resource
+import signal
 import sys
 import tarfile
 import time
@@ -103,6 +105,9 @@ class Shards(torch.utils.data.IterableDataset):
 
 
 def main():
+    # A trainer that hangs says where: SIGUSR1 (bench/pipeline.sh sends it at
+    # the trainer's limit) prints every thread's stack to stderr.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     ap = argparse.ArgumentParser()
     ap.add_argument("--source", required=True, choices=["cudashare", "dataloader", "gpudecode", "synthetic"])
     ap.add_argument("--data", required=True, help="the data set's directory (examples/datagen -out)")
