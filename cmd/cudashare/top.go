@@ -82,7 +82,7 @@ func writeTop(w io.Writer, s, prev *share.ExporterSnapshot) {
 		h = s.Handoff.Sub(prev.Handoff)
 		before = make(map[consumerKey]share.ConsumerSnapshot, len(prev.Consumers))
 		for _, c := range prev.Consumers {
-			before[keyOf(&c)] = c
+			before[keyOf(prev, &c)] = c
 		}
 	}
 	// Rates over the time since the last refresh, or, on the first,
@@ -115,7 +115,7 @@ func writeTop(w io.Writer, s, prev *share.ExporterSnapshot) {
 	fmt.Fprintln(tw, "PID\tCOMM\tSTATE\tPATH\tCREDITS\tLEASES\tOLDEST\tLEASED\tMAPPED\tOFFERS/s\tRELEASES/s\tOFFERS\tMISSED\tCONNECTED\t")
 	for i := range s.Consumers {
 		c := &s.Consumers[i]
-		b := before[keyOf(c)]
+		b := before[keyOf(s, c)]
 		comm := c.Comm
 		if c.Container {
 			comm += " [container]"
@@ -138,14 +138,17 @@ func writeTop(w io.Writer, s, prev *share.ExporterSnapshot) {
 }
 
 // consumerKey tells consumers apart between snapshots: a process may hold
-// several connections, told apart by when each connected.
+// several connections, told apart by when each connected, on the
+// producer's clock (Uptime less Connected: both are read at once under
+// the exporter's lock, so the difference is the same in every snapshot,
+// where Connected alone grows from one to the next).
 type consumerKey struct {
 	pid   int32
 	since time.Duration
 }
 
-func keyOf(c *share.ConsumerSnapshot) consumerKey {
-	return consumerKey{c.PID, c.Connected.Round(time.Second)}
+func keyOf(s *share.ExporterSnapshot, c *share.ConsumerSnapshot) consumerKey {
+	return consumerKey{c.PID, s.Uptime - c.Connected}
 }
 
 func durStr(d time.Duration) string {
