@@ -316,9 +316,9 @@ func NewExporter(ctx context.Context, dctx *driver.Context, path string, cfg Exp
 	e.wg.Add(2)
 	go e.readLoop()
 	go e.acceptLoop()
-	if leaseTimeout > 0 {
+	if leaseTimeout > 0 || e.obs.leaseWarn >= 0 {
 		e.wg.Add(1)
-		go e.leaseJanitor(leaseTimeout)
+		go e.leaseJanitor(leaseTimeout, e.obs.leaseWarn)
 	}
 	return e, nil
 }

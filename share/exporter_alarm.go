@@ -26,7 +26,8 @@ func leaseWarnAfter(warn, timeout time.Duration) time.Duration {
 // for them yet: the oldest such lease's buffer and how many there are. So
 // each lease is reported once, and a consumer that holds a thousand
 // leases writes one line, not a thousand. It runs on the lease janitor's
-// ticks, so a warning comes up to a tick (LeaseTimeout/8) late. mu held.
+// warning ticks, so a warning comes up to LeaseWarn/8 (10ms at least)
+// late. mu held.
 func (e *Exporter) warnHeldLocked() {
 	if e.obs.leaseWarn < 0 {
 		return

@@ -23,28 +23,50 @@ type leaseClock struct {
 	epoch uint64
 }
 
-// leaseJanitor drops consumers that hold a lease past the timeout.
-func (e *Exporter) leaseJanitor(timeout time.Duration) {
+// leaseJanitor drops consumers that hold a lease past the timeout (none
+// if timeout <= 0), and names those that hold one past the warning
+// threshold (none if warn < 0). The warning has a ticker of its own, at
+// an eighth of its threshold: on the lease clock's ticks alone it came up
+// to LeaseTimeout/8 late, and never without a lease timeout.
+func (e *Exporter) leaseJanitor(timeout, warn time.Duration) {
 	defer e.wg.Done()
-	t := time.NewTicker(max(timeout/leaseTicks, time.Millisecond))
-	defer t.Stop()
+	var lease, warning <-chan time.Time
+	if timeout > 0 {
+		t := time.NewTicker(max(timeout/leaseTicks, time.Millisecond))
+		defer t.Stop()
+		lease = t.C
+	}
+	if warn >= 0 {
+		t := time.NewTicker(max(warn/leaseTicks, minWarnTick))
+		defer t.Stop()
+		warning = t.C
+	}
 	for {
+		var stuck []*consumer
+		var why []error
 		select {
-		case <-t.C:
+		case <-lease:
+			e.mu.Lock()
+			e.clock.epoch++
+			stuck, why = e.overdueLocked(timeout)
+			e.warnPinnedLocked(time.Now())
+			e.mu.Unlock()
+		case <-warning:
+			e.mu.Lock()
+			e.warnHeldLocked()
+			e.mu.Unlock()
 		case <-e.life.Done():
 			return
 		}
-		e.mu.Lock()
-		e.clock.epoch++
-		stuck, why := e.overdueLocked(timeout)
-		e.warnPinnedLocked(time.Now())
-		e.warnHeldLocked()
-		e.mu.Unlock()
 		for i, c := range stuck {
 			e.kick(c, why[i])
 		}
 	}
 }
+
+// minWarnTick bounds how often the warning pass, which walks every lease
+// under the exporter's lock, runs however small LeaseWarn is.
+const minWarnTick = 10 * time.Millisecond
 
 // overdueLocked returns the consumers that hold a lease past the timeout
 // by the lease clock, each with the reason to drop it. mu held.
