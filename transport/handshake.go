@@ -92,11 +92,17 @@ func (c *Conn) handshake(ctx context.Context, dialer bool, admit func(*Conn) err
 		if werr != nil && errors.Is(err, ErrDisconnected) {
 			err = fmt.Errorf("%w: %w", ErrDisconnected, werr)
 		}
+		notify := !dialer
 		if !dialer && ctx.Err() != nil {
-			// The listener's reason, such as an eviction, for the peer.
+			// The listener's reason, such as an eviction, for the peer;
+			// but a listener that closes (its producer shuts down or
+			// restarts) is gone to the peer, as a producer that exits is:
+			// a reconnecting consumer tries again, where an error would
+			// read as a refusal.
 			err = context.Cause(ctx)
+			notify = !errors.Is(err, context.Canceled)
 		}
-		return c.handshakeFailed(err, !dialer)
+		return c.handshakeFailed(err, notify)
 	}
 	if theirs.role == c.cfg.Role {
 		return c.handshakeFailed(fmt.Errorf("%w: both sides are %ss", ErrHandshake, theirs.role), true)
