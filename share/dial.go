@@ -38,10 +38,14 @@ const (
 // dialWaiting is transport.Dial, tried again while nobody listens at path
 // (the socket does not exist: ENOENT; or it is left from a producer that
 // is gone: ECONNREFUSED) until wait has passed or ctx ends. Any other
-// failure ends it at once. With wait <= 0 it is one try.
-func dialWaiting(ctx context.Context, path string, cfg transport.Config, wait time.Duration) (*transport.Conn, error) {
+// failure ends it at once, but with vanished (an importer with a
+// ReconnectPolicy) also a producer that went away during the handshake:
+// one that restarts or crashes then is, to such an importer, one that is
+// not there yet. With wait <= 0 it is one try.
+func dialWaiting(ctx context.Context, path string, cfg transport.Config, wait time.Duration, vanished bool) (*transport.Conn, error) {
+	again := func(err error) bool { return noListener(err) || vanished && producerVanished(err) }
 	conn, err := transport.Dial(ctx, path, cfg)
-	if err == nil || wait <= 0 || !noListener(err) {
+	if err == nil || wait <= 0 || !again(err) {
 		return conn, err
 	}
 	start := time.Now()
@@ -62,10 +66,16 @@ func dialWaiting(ctx context.Context, path string, cfg transport.Config, wait ti
 			return nil, fmt.Errorf("share: waiting %v for a producer at %s (last try: %v): %w", time.Since(start).Round(time.Millisecond), path, err, ctx.Err())
 		}
 		conn, err = transport.Dial(ctx, path, cfg)
-		if err == nil || !noListener(err) {
+		if err == nil || !again(err) {
 			return conn, err
 		}
 	}
+}
+
+// producerVanished: the producer went away under the connection (the
+// ends that an importer with a ReconnectPolicy comes back from).
+func producerVanished(err error) bool {
+	return errors.Is(err, transport.ErrDisconnected) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
 }
 
 // noListener: the dial failed because no producer listens at the path yet.

@@ -226,7 +226,7 @@ func Dial(ctx context.Context, path string, dctx *driver.Context, cfg ImporterCo
 	if pol != nil {
 		wait = max(wait, pol.firstWait())
 	}
-	conn, err := dialWaiting(ctx, path, tcfg, wait)
+	conn, err := dialWaiting(ctx, path, tcfg, wait, pol != nil)
 	if err != nil {
 		return nil, err
 	}

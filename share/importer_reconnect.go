@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"syscall"
 	"time"
 
 	"github.com/seed743c36cf/cudashare/transport"
@@ -106,7 +105,7 @@ func (im *Importer) comesBack(err error) bool {
 	if err == io.EOF {
 		return im.byeCode == transport.GoodbyeRestarting
 	}
-	return errors.Is(err, transport.ErrDisconnected) || errors.Is(err, syscall.ECONNRESET) || errors.Is(err, syscall.EPIPE)
+	return producerVanished(err)
 }
 
 // loseLocked sets the lost producer apart and starts reconnecting. mu

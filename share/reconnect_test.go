@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"net"
 	"runtime"
 	"sync/atomic"
 	"testing"
@@ -375,4 +376,58 @@ func TestReconnectPoolNeverHandsDeadLease(t *testing.T) {
 	if calls < 10 {
 		t.Fatalf("%d handler calls, want 10", calls)
 	}
+}
+
+// TestReconnectFirstProducerDiesInHandshake: an importer with a
+// ReconnectPolicy whose first dial meets a producer that goes away in
+// the middle of the handshake (it restarts, or crashes, at that moment)
+// waits for the next one, as it does when it meets none: the policy
+// covers the first producer too.
+func TestReconnectFirstProducerDiesInHandshake(t *testing.T) {
+	env := sharetest.Setup(t)
+	path := sharetest.SocketPath(t)
+	ctx := sharetest.Ctx(t)
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	type dialed struct {
+		im  *share.Importer
+		err error
+	}
+	ch := make(chan dialed, 1)
+	go func() {
+		im, err := share.Dial(ctx, path, env.Ctx, share.ImporterConfig{Credits: 2, Reconnect: &share.ReconnectPolicy{Deadline: time.Minute}})
+		ch <- dialed{im, err}
+	}()
+	// The dying producer: it reads the consumer's hello, then is gone.
+	c, err := ln.AcceptUnix()
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Read(make([]byte, 512))
+	c.Close()
+	ln.Close() // unlinks the path, as a listener that closes does
+	var early *dialed
+	select {
+	case d := <-ch:
+		early = &d // before the fix: at once, with the handshake's error
+	default:
+	}
+	p := startProducer(t, path, share.SharingAuto)
+	defer p.Kill()
+	d := early
+	if d == nil {
+		got := <-ch
+		d = &got
+	}
+	if d.err != nil {
+		t.Fatalf("Dial with a ReconnectPolicy gave up on a producer gone during the handshake: %v", d.err)
+	}
+	defer d.im.Close()
+	l, n := nextGood(t, ctx, d.im)
+	if err := sharetest.Check(env.Ctx, l.Ptr(), l.Size(), n); err != nil {
+		t.Fatal(err)
+	}
+	l.Release()
 }
