@@ -34,3 +34,13 @@ func TestListenerCloseMidHandshake(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestSnapshotRequestBeforeHello: a snapshot-request in place of the
+// hello is refused (the handshake decoder does not know kind 16: unknown message), and never answered with a snapshot.
+func TestSnapshotRequestBeforeHello(t *testing.T) {
+	l := listen(t, testConfig(RoleProducer, nil))
+	l.ServeObservers(func() []byte { return []byte{0x80} })
+	raw := rawDial(t, l.Addr())
+	raw.sendMsg(KindSnapshotRequest)
+	raw.expectError(codeUnknownMessage)
+}
