@@ -87,8 +87,15 @@ func TestReconnectThroughRestarts(t *testing.T) {
 	e := newEnv(t, "")
 	prodArgs := []string{"-ring", "8", "-size", "64KiB", "-consumers", "2", "-v", "-report-every", "20ms"}
 	prod := e.producer(prodArgs...)
+	// With two GPUs or more, the Python consumer maps the producer's
+	// memory from another GPU across every restart.
+	pyDev := "0"
+	if devs, err := e.d.Devices(); err == nil && len(devs) >= 2 {
+		pyDev = "1"
+	}
+	t.Logf("the Go consumer on GPU 0, the Python consumer on GPU %s", pyDev)
 	goc := e.consumer("go", "-reconnect", "60s", "-workers", "2", "-work", "2ms", "-report-every", "20ms")
-	pyc := e.pythonConsumer("python", "--reconnect", "60", "--verify", "full", "--wait", "20")
+	pyc := e.pythonConsumer("python", "--reconnect", "60", "--verify", "full", "--wait", "20", "--device", pyDev)
 
 	// served waits until p has served both consumers (its n-th and
 	// n+1-th arrivals logged) and offered batches since: both are
