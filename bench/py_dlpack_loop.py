@@ -25,7 +25,7 @@ here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(here, "..", "python"))
 
 import cudashare  # noqa: E402
-from cudashare import dlpack  # noqa: E402
+from cudashare import _dlpack as dlpack  # noqa: E402
 
 # Private prototypes (ctypes.pythonapi's function objects are shared).
 _GetPointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(

@@ -46,7 +46,14 @@ def main():
     ap.add_argument("--mode", choices=["release", "dlpack", "op", "array", "host"], default="op")
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--wait", type=float, default=20.0)
+    ap.add_argument("--backend", choices=["cuda", "sim"], default="cuda",
+                    help="sim: the package's own time on the simulator, no torch (modes release and host)")
     a = ap.parse_args()
+    if a.backend == "sim":
+        if a.mode not in ("release", "host"):
+            print("py_lease_cost: --backend sim runs modes release and host only")
+            return 2
+        return sim(a)
     try:
         import torch
     except ImportError as e:
@@ -117,6 +124,42 @@ def main():
         return 1
     names = ["next", "__dlpack__", "from_dlpack", "op", "del", "release"]
     print("%-8s %7d/s  " % (a.mode, n / (t1 - t0)) + "  ".join("%s %.2f" % (k, v / n * 1e6) for k, v in zip(names, T)))
+    return 0
+
+
+def sim(a):
+    """The package's own time on the simulator: next and release only (the
+    simulator's release ignores the stream: no event is recorded)."""
+    import cudashare
+    c = cudashare.connect(a.socket, device=a.device, credits=8, wait=a.wait, backend="sim")
+    pc = time.perf_counter
+    T = [0.0, 0.0]
+    n = 0
+    t0 = t1 = None
+    while True:
+        s0 = pc()
+        try:
+            lease = c.next()
+        except cudashare.Closed:
+            break
+        s1 = pc()
+        if t0 is None:
+            t0 = s1
+        if a.mode == "host":
+            lease.release()
+        else:
+            lease.release(stream=7)
+        s2 = pc()
+        T[0] += s1 - s0
+        T[1] += s2 - s1
+        n += 1
+        t1 = s2
+    c.close()
+    if n < 2:
+        print("py_lease_cost: %d leases" % n)
+        return 1
+    print("sim-%-8s %7d/s  next %.2f  release %.2f  (us per lease, simulator)" % (
+        a.mode, n / (t1 - t0), T[0] / n * 1e6, T[1] / n * 1e6))
     return 0
 
 

@@ -21,15 +21,15 @@ host synchronize); ``with lease:`` releases that way on exit.
 
 A pure-Python implementation of the repository's PROTOCOL.md (a consumer
 only), with msgpack as its one dependency and the CUDA driver reached
-through ctypes. See consumer.py for the threading design, lease.py for
-views and release, backends.py for the real and simulated drivers.
+through ctypes. See _consumer.py for the threading design, _lease.py for
+views and release, _backends.py for the real and simulated drivers.
 """
 
-from .consumer import Consumer, connect, install_sigterm_handler
-from .errors import (Closed, CudashareError, DriverError, NotSupported, ProducerGone, ProducerRestarting,
+from ._consumer import Consumer, connect, install_sigterm_handler
+from ._errors import (Closed, CudashareError, DriverError, NotSupported, ProducerGone, ProducerRestarting,
                      ProtocolError, ReconnectDeadline, Timeout, ViewError)
-from .lease import Lease
-from .reconnect import ReconnectPolicy, Reconnecting
+from ._lease import Lease
+from ._reconnect import ReconnectPolicy, Reconnecting
 
 __all__ = ["connect", "Consumer", "Lease", "install_sigterm_handler", "CudashareError", "ProtocolError",
            "ProducerGone", "ProducerRestarting", "ReconnectDeadline", "Closed", "Timeout", "NotSupported",

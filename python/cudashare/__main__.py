@@ -13,8 +13,8 @@ import threading
 import time
 
 from . import connect
-from . import errors
-from .errors import (Closed, CudashareError, DriverError, NotSupported, ProducerGone, ProducerRestarting,
+from . import _errors as errors
+from ._errors import (Closed, CudashareError, DriverError, NotSupported, ProducerGone, ProducerRestarting,
                      ProtocolError, ReconnectDeadline, Timeout)
 
 # The Go consumer's exit statuses (internal/app/common.go), so that scripts
@@ -243,7 +243,7 @@ def main(argv=None, restore_signals=True):
     cp.add_argument("--shm", type=_flag, default=None, metavar="true|false",
                     help="carry the messages through two lanes in memory shared with the producer, if it allows "
                          "them, instead of on the socket (as the Go consumer's -shm; default: only with "
-                         "CUDASHARE_SHM=1, see cudashare/shm.py)")
+                         "CUDASHARE_SHM=1, see cudashare/_shm.py)")
     a = p.parse_args(argv)
     if a.batches < 0 or a.workers < 1 or not 1 <= a.credits <= 1048576 or a.reconnect < 0:
         p.error("--batches >= 0, --workers >= 1, --credits 1 to 1048576, --reconnect >= 0")

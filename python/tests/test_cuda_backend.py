@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from cudashare import backends
-from cudashare.errors import DriverError
+from cudashare import _backends as backends
+from cudashare import DriverError
 
 CTX = 0xC0DE
 EVH = bytes(range(64))

@@ -12,7 +12,7 @@ import weakref
 import pytest
 
 import cudashare
-from cudashare import dlpack
+from cudashare import _dlpack as dlpack
 from fakeproducer import sim_memfd
 from test_fake_producer import MiB2, connected
 
@@ -295,7 +295,7 @@ def test_array_cache_is_bounded(fake, monkeypatch):
     converter per call) cannot grow the cache past MAX_VIEWS per
     allocation, nor past MAX_VIEWS_TOTAL in all; past them each call makes
     a view that keeps its lease alive, as __dlpack__'s do."""
-    from cudashare import views as views_mod
+    from cudashare import _views as views_mod
     monkeypatch.setattr(views_mod, "MAX_VIEWS_TOTAL", views_mod.MAX_VIEWS + 2)
     f, c = connected(fake, credits=1)
     base = dlpack.live()

@@ -15,7 +15,7 @@ import warnings
 import pytest
 
 import cudashare
-from cudashare import errors as E
+from cudashare import _errors as E
 from conftest import connected
 from fakeproducer import sim_memfd
 
@@ -58,7 +58,7 @@ def test_vmm_data_views_and_retire(fake):
     assert type(cap).__name__ == "PyCapsule"
     del cap
     gc.collect()
-    assert cudashare.dlpack.live() == 0
+    assert cudashare._dlpack.live() == 0
     # Writes through one view show in the other: one mapping, cached by alloc_id.
     a.host()[0] = 9
     assert b.ptr == a.ptr - 8192 and ctypes.string_at(b.ptr + 8192, 1) == b"\x09"
@@ -293,12 +293,12 @@ def test_refusal_before_the_hello(fake, monkeypatch):
         refused.set()
     t = threading.Thread(target=refuse)
     t.start()
-    orig = cudashare.consumer.Consumer._send
+    orig = cudashare._consumer.Consumer._send
 
     def late_send(self, msg):
         refused.wait(5)  # the listener has refused and closed
         return orig(self, msg)
-    monkeypatch.setattr(cudashare.consumer.Consumer, "_send", late_send)
+    monkeypatch.setattr(cudashare._consumer.Consumer, "_send", late_send)
     with pytest.raises(cudashare.ProtocolError) as ei:
         cudashare.connect(f.path, backend="sim")
     t.join()
@@ -374,7 +374,7 @@ def test_offer_after_writer_side_end_is_void(fake):
     leaked when it is collected."""
     import gc
     import warnings
-    from cudashare.errors import ProducerGone
+    from cudashare import ProducerGone
     f, c = connected(fake, wait=5)
     f.offer(1, size=4096)
     l = c.next(timeout=5)

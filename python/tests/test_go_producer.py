@@ -153,7 +153,7 @@ def _cli_patched(p, patch, *args):
     signal at an exact moment."""
     code = textwrap.dedent("""
         import os, signal, sys, threading, time
-        import cudashare, cudashare.backends, cudashare.consumer
+        import cudashare, cudashare._backends, cudashare._consumer
         from cudashare import __main__ as m
     """) + textwrap.dedent(patch) + textwrap.dedent("""
         sys.exit(m.main(["consume", "--socket", %r, "--wait", "5"] + %r))
@@ -170,7 +170,7 @@ def test_cli_sigterm_while_a_worker_reads(go_producer, signals):
     group signalled twice) lands while it waits for them."""
     p = go_producer("-size", "64KiB")
     cli = _cli_patched(p, """
-        orig = cudashare.backends.SimBackend.copy_to_host
+        orig = cudashare._backends.SimBackend.copy_to_host
         fired = []
         unmapped = threading.Event()
         def slow_copy(self, *a, **k):
@@ -182,13 +182,13 @@ def test_cli_sigterm_while_a_worker_reads(go_producer, signals):
                     os.kill(os.getpid(), signal.SIGTERM)
                 unmapped.wait(1)  # a long copy under way when the run ends
             return orig(self, *a, **k)
-        cudashare.backends.SimBackend.copy_to_host = slow_copy
-        oclose = cudashare.backends.SimBackend.close
+        cudashare._backends.SimBackend.copy_to_host = slow_copy
+        oclose = cudashare._backends.SimBackend.close
         def close(self, m):
             oclose(self, m)
             unmapped.set()
             time.sleep(0.2)
-        cudashare.backends.SimBackend.close = close
+        cudashare._backends.SimBackend.close = close
     """ % signals, "--verify", "full", "--workers", "1")
     p.kill(signal.SIGINT)
     assert cli.returncode == 0, (cli.returncode, cli.stderr[-4000:])
@@ -201,12 +201,12 @@ def test_cli_sigterm_during_close(go_producer):
     must not be cut short."""
     p = go_producer("-size", "64KiB", "-count", "5")
     cli = _cli_patched(p, """
-        orig = cudashare.consumer.Consumer.close
+        orig = cudashare._consumer.Consumer.close
         def close(self, *a, **k):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.05)
             return orig(self, *a, **k)
-        cudashare.consumer.Consumer.close = close
+        cudashare._consumer.Consumer.close = close
     """)
     assert cli.returncode == 0, (cli.returncode, cli.stderr[-4000:])
     assert json.loads(cli.stdout.strip().splitlines()[-1])["handoffs"] == 5

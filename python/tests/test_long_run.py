@@ -236,7 +236,7 @@ def test_lease_held_past_timeout_drops_only_that_consumer(go_producer, gobin, pr
     with pytest.raises(cudashare.ProtocolError) as ei:
         c.next(timeout=HANG)
     e = ei.value
-    assert e.remote and e.code == cudashare.errors.TIMEOUT and e.name == "timeout", e
+    assert e.remote and e.code == cudashare._errors.TIMEOUT and e.name == "timeout", e
     msg = str(e)
     assert "lease" in msg and "allocation %d" % held.alloc_id in msg and "offset %d" % held.offset in msg, msg
     with pytest.raises(cudashare.ProtocolError):
@@ -495,7 +495,7 @@ def test_error_read_after_a_failed_release_is_the_cause(fake):
             c._user_t = 0.0
         with pytest.raises(cudashare.ProtocolError) as ei:
             c.next(timeout=HANG)
-        assert ei.value.remote and ei.value.code == cudashare.errors.TIMEOUT and "lease" in str(ei.value), ei.value
+        assert ei.value.remote and ei.value.code == cudashare._errors.TIMEOUT and "lease" in str(ei.value), ei.value
     finally:
         c.close(timeout=0.5)
 

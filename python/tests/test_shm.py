@@ -14,8 +14,8 @@ import time
 import pytest
 
 import cudashare
-from cudashare import errors as E
-from cudashare import shm
+from cudashare import _errors as E
+from cudashare import _shm as shm
 from conftest import connected
 from fakeproducer import CAP_SHM, LANE, frame, sim_memfd
 
@@ -358,7 +358,7 @@ def test_shm_false_stays_on_the_socket(fake):
 
 @pytest.mark.parametrize("env,want", [("", False), ("0", False), ("1", True)])
 def test_shm_by_default_only_with_the_environment(fake, monkeypatch, env, want):
-    """Not the default (shm.py says why); CUDASHARE_SHM=1 makes them so."""
+    """Not the default (_shm.py says why); CUDASHARE_SHM=1 makes them so."""
     monkeypatch.setenv("CUDASHARE_SHM", env)
     f, c = connected(fake, caps=CAP_SHM)
     assert c.stats()["shm"] == want and (f.mem is not None) == want

@@ -1,14 +1,14 @@
 """The consumer's releases: host-ordered and stream-ordered (with one
 release event per stream), queued and pushed together as PROTOCOL.md §4
-allows. A mixin of Consumer, whose state (consumer.py) it shares; split out
+allows. A mixin of Consumer, whose state (_consumer.py) it shares; split out
 by idea, not to be used alone."""
 
 import logging
 import time
 import warnings
 
-from . import backends, wire
-from .views import orphans, unpin
+from . import _backends as backends, _wire as wire
+from ._views import orphans, unpin
 
 log = logging.getLogger("cudashare")
 
@@ -17,7 +17,7 @@ REAP_EVERY = 0.01          # how often a waiting next() looks for leases lost wi
 
 
 class Releases:
-    """Consumer's releases (see consumer.py for the design)."""
+    """Consumer's releases (see _consumer.py for the design)."""
 
     def _release(self, lease, stream):
         with self._lock:

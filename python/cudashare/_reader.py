@@ -1,7 +1,7 @@
 """The consumer's reading side: the background reader thread, the
 hand-over of the socket between it and next(), and the producer's messages
 (offers, retire, goodbye, errors) as they arrive. A mixin of Consumer, whose
-state (consumer.py) it shares; split out by idea, not to be used alone."""
+state (_consumer.py) it shares; split out by idea, not to be used alone."""
 
 import os
 import select
@@ -9,9 +9,9 @@ import socket
 import time
 import weakref
 
-from . import wire, errors
-from .errors import Closed, CudashareError, ProducerGone, ProducerRestarting, ProtocolError
-from .lease import Lease
+from . import _wire as wire, _errors as errors
+from ._errors import Closed, CudashareError, ProducerGone, ProducerRestarting, ProtocolError
+from ._lease import Lease
 
 import logging
 
@@ -40,7 +40,7 @@ class _Alloc:
 
 
 class Reader:
-    """Consumer's reading side (see consumer.py for the design)."""
+    """Consumer's reading side (see _consumer.py for the design)."""
 
     def _read_loop(self):
         """The background reader: it reads only while no next() does, so
@@ -353,7 +353,7 @@ class Reader:
                 self._write(frames)
             return True
         except ProtocolError as e:
-            # A producer that broke lane 1's head (shm.py).
+            # A producer that broke lane 1's head (_shm.py).
             self._protocol_fail(e)
             return False
         except OSError as e:

@@ -17,8 +17,8 @@ import os
 import struct
 import threading
 
-from . import wire
-from .errors import DriverError, NotSupported
+from . import _wire as wire
+from ._errors import DriverError, NotSupported
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p

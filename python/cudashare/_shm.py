@@ -38,8 +38,8 @@ import socket
 import stat
 import struct
 
-from . import errors, wire
-from .errors import ProtocolError
+from . import _errors as errors, _wire as wire
+from ._errors import ProtocolError
 
 LANE_SIZE = 65536
 CTL_PAGE = 4096

@@ -2,8 +2,8 @@
 
 import warnings
 
-from . import backends, dlpack, meta, views, wire
-from .errors import Closed, NotSupported, ProducerGone
+from . import _backends as backends, _dlpack as dlpack, _meta as meta, _views as views, _wire as wire
+from ._errors import Closed, NotSupported, ProducerGone
 
 
 class Lease(wire.Offer):
@@ -195,7 +195,7 @@ class Lease(wire.Offer):
         converter that copies, or one whose address this package cannot
         read) is never reused: each call then makes a new one. The consumer
         drops its views when the allocation is retired or the consumer
-        closes; it keeps at most views.MAX_VIEWS per allocation and
+        closes; it keeps at most MAX_VIEWS (_views.py) per allocation and
         views.MAX_VIEWS_TOTAL in all (beyond that each call makes a new one)."""
         if self.released:
             self._check()

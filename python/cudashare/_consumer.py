@@ -13,7 +13,7 @@ hang the application for longer than that. Every blocking call takes a
 timeout.
 
 This file is the connection and the application's side (connect, next,
-run, close); the reading side is reader.py and the releases releases.py,
+run, close); the reading side is _reader.py and the releases _releases.py,
 both mixins of Consumer.
 """
 
@@ -30,10 +30,10 @@ import threading
 import time
 import weakref
 
-from . import backends, shm, wire, errors
-from .errors import Closed, CudashareError, ProducerGone, ProducerRestarting, ProtocolError, Timeout
-from .reader import BG_POLL, TICK, Reader
-from .releases import REAP_EVERY, Releases
+from . import _backends as backends, _shm as shm, _wire as wire, _errors as errors
+from ._errors import Closed, CudashareError, ProducerGone, ProducerRestarting, ProtocolError, Timeout
+from ._reader import BG_POLL, TICK, Reader
+from ._releases import REAP_EVERY, Releases
 
 log = logging.getLogger("cudashare")
 
@@ -70,7 +70,7 @@ def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeou
     manager and interpreter exit say goodbye. shm: ask the producer for the
     shm channel (PROTOCOL.md 2.3: no system call per message while
     both sides are busy) where this process can use them; None: only if
-    CUDASHARE_SHM=1 (cudashare/shm.py says why they are not the default).
+    CUDASHARE_SHM=1 (cudashare/_shm.py says why they are not the default).
     ``stats()["shm"]`` says whether the connection has them,
     ``shm_reason`` why not. allowed_uids: the users whose listener this
     consumer accepts (PROTOCOL.md section 1; None or empty: this process's
@@ -91,7 +91,7 @@ def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeou
     ends with the producer (ProducerRestarting at a restart).
     """
     if reconnect is not None:
-        from .reconnect import Reconnecting, ReconnectPolicy
+        from ._reconnect import Reconnecting, ReconnectPolicy
         policy = reconnect if isinstance(reconnect, ReconnectPolicy) else ReconnectPolicy(deadline=reconnect)
         first_wait = max(wait, policy.deadline or 365 * 86400.0)
 
@@ -222,7 +222,7 @@ class Consumer(Reader, Releases):
         self._end = None         # the exception that ended the connection
         self._bye_received = False
         self._bye_code = wire.GOODBYE_DONE
-        self._held_at_loss = 0   # leases held when its producer was lost (reconnect.py)
+        self._held_at_loss = 0   # leases held when its producer was lost (_reconnect.py)
         self._bye_sent = False
         self._eof = threading.Event()
         self._closed = False
@@ -237,7 +237,7 @@ class Consumer(Reader, Releases):
         self._n_views = 0        # Lease.array's cached views, over every allocation
         self._wait_s = 0.0       # seconds next() waited for an offer (_observed)
         self._reap_t = 0.0       # the last look for leases lost with their views (Releases._reap_orphans)
-        # The shm channel (shm.py), once the handshake agreed on
+        # The shm channel (_shm.py), once the handshake agreed on
         # them: frames go through _out, and the socket only carries
         # doorbells (_bell_left: bytes of one not yet written), errors and
         # the end.
@@ -264,7 +264,7 @@ class Consumer(Reader, Releases):
             with self._lock, self._wlock:
                 self._write(frame)
         except ProtocolError as e:
-            raise self._protocol_fail(e)  # a producer that broke lane 1's head (shm.py)
+            raise self._protocol_fail(e)  # a producer that broke lane 1's head (_shm.py)
         except OSError as e:
             # After the handshake a failed write ends the connection: part of
             # the frame may have gone, and nothing after it can be read. A
@@ -750,7 +750,7 @@ class Consumer(Reader, Releases):
 
     def _set_apart(self):
         """Once the producer is gone and another takes its place
-        (reconnect.py): no mapping outlives its last lease, and legacy IPC
+        (_reconnect.py): no mapping outlives its last lease, and legacy IPC
         leases, whose memory died with the producer, say so."""
         with self._lock:
             for seq, ref in list(self._outstanding.items()):

@@ -1,7 +1,7 @@
 """Lease.array's views: what keeps a lease alive while a framework's cached
 view of it may be in use (a Pin in the view's DLPack slot), how a lease the
 application dropped with its view is found (orphans), and the object a
-framework's from_dlpack takes (Capsule). Split out of lease.py by idea."""
+framework's from_dlpack takes (Capsule). Split out of _lease.py by idea."""
 
 import sys
 

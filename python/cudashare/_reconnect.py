@@ -1,6 +1,6 @@
 """A consumer that outlives its producer: connect(..., reconnect=...).
 
-Each connection is a Consumer of its own (consumer.py), for one producer
+Each connection is a Consumer of its own (_consumer.py), for one producer
 session (PROTOCOL.md §4 hello, §7.2): when the producer vanishes, or says goodbye
 because it restarts, the connection ends as it always did, and this
 wrapper dials the path again, with backoff, until a producer answers or
@@ -14,8 +14,8 @@ closed with its last lease), then is torn down.
 import threading
 import time
 
-from .consumer import Consumer
-from .errors import Closed, CudashareError, ProducerGone, ReconnectDeadline, Timeout
+from ._consumer import Consumer
+from ._errors import Closed, CudashareError, ProducerGone, ReconnectDeadline, Timeout
 
 
 class ReconnectPolicy:

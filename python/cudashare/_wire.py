@@ -16,8 +16,8 @@ import time
 
 import msgpack
 
-from . import errors
-from .errors import ProtocolError
+from . import _errors as errors
+from ._errors import ProtocolError
 
 VERSION = 1
 ROLE_PRODUCER = 1

@@ -1,6 +1,6 @@
 """The dtype and shape convention of PROTOCOL.md section 4.2."""
 
-from .errors import ViewError
+from ._errors import ViewError
 
 # name: (itemsize, __cuda_array_interface__ typestr or None, DLPack (code, bits))
 DTYPES = {
