@@ -25,12 +25,12 @@ through ctypes. See _consumer.py for the threading design, _lease.py for
 views and release, _backends.py for the real and simulated drivers.
 """
 
-from ._consumer import Consumer, connect, install_sigterm_handler
+from ._consumer import Consumer, connect, default_socket_path, install_sigterm_handler
 from ._errors import (Closed, CudashareError, DriverError, NotSupported, ProducerGone, ProducerRestarting,
                      ProtocolError, ReconnectDeadline, Timeout, ViewError)
 from ._lease import Lease
 from ._reconnect import ReconnectPolicy, Reconnecting
 
-__all__ = ["connect", "Consumer", "Lease", "install_sigterm_handler", "CudashareError", "ProtocolError",
+__all__ = ["connect", "default_socket_path", "Consumer", "Lease", "install_sigterm_handler", "CudashareError", "ProtocolError",
            "ProducerGone", "ProducerRestarting", "ReconnectDeadline", "Closed", "Timeout", "NotSupported",
            "ViewError", "DriverError", "ReconnectPolicy", "Reconnecting"]

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from . import connect
+from . import connect, default_socket_path
 from . import _errors as errors
 from ._errors import (Closed, CudashareError, DriverError, NotSupported, ProducerGone, ProducerRestarting,
                      ProtocolError, ReconnectDeadline, Timeout)
@@ -21,10 +21,6 @@ from ._errors import (Closed, CudashareError, DriverError, NotSupported, Produce
 # and the benchmark read both the same way.
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_NO_DRIVER, EXIT_NO_PRODUCER, EXIT_PRODUCER_GONE = 0, 1, 2, 3, 4, 5
 EXIT_REFUSED, EXIT_DROPPED, EXIT_RESTARTED = 7, 8, 9
-
-
-def _default_socket():
-    return "/tmp/cudashare-%d/cudashare.sock" % os.getuid()
 
 
 def pattern_byte(batch):
@@ -227,7 +223,7 @@ def main(argv=None, restore_signals=True):
     p = argparse.ArgumentParser(prog="python -m cudashare")
     sub = p.add_subparsers(dest="cmd", required=True)
     cp = sub.add_parser("consume", help="consume a producer's batches and print a JSON report")
-    cp.add_argument("--socket", default=_default_socket())
+    cp.add_argument("--socket", default=default_socket_path())
     cp.add_argument("--batches", type=int, default=0, help="stop after this many (0: until the producer ends)")
     cp.add_argument("--verify", choices=["none", "byte", "full"], default="byte")
     cp.add_argument("--credits", type=int, default=8)

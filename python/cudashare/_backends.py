@@ -456,16 +456,59 @@ def select(kind, device, producer_devices):
     return cb
 
 
-def stream_handle(stream):
-    """A CUstream value from an int or an object with .cuda_stream, .ptr or
-    .handle (torch.cuda.Stream, cupy.cuda.Stream, ...). None is the legacy
-    default stream (0)."""
+def stream_handle(stream) -> int:
+    """A CUstream value (an int) from what frameworks call a stream:
+
+    - None: the legacy default stream (0); an int: itself;
+    - an object with ``__cuda_stream__`` (the CUDA stream protocol, which
+      cuda.core's Stream offers): it returns (version, handle);
+    - torch.cuda.Stream (``.cuda_stream``), cupy.cuda.Stream (``.ptr``);
+    - an object whose ``.handle`` is an int, or converts to one:
+      cuda.core's CUstream (int(handle)), Numba's ctypes c_void_p
+      (handle.value).
+
+    JAX exposes no stream object of its own: pass an int, or None.
+    """
     if stream is None:
         return 0
-    if isinstance(stream, int):
+    if type(stream) is int:
         return stream
+    if isinstance(stream, bool):
+        raise TypeError("stream %r: a bool is not a CUstream" % (stream,))
+    if isinstance(stream, int):
+        return int(stream)
+    proto = getattr(stream, "__cuda_stream__", None)
+    if proto is not None:
+        got = proto() if callable(proto) else proto  # a method since cuda.core 0.2; a property before
+        try:
+            _version, h = got
+            return _as_handle(h)
+        except (TypeError, ValueError):
+            raise TypeError("stream %r: __cuda_stream__ returned %r, want (version, handle)" % (stream, got)) from None
     for attr in ("cuda_stream", "ptr", "handle"):
         v = getattr(stream, attr, None)
-        if isinstance(v, int):
-            return v
-    raise TypeError("stream %r: want a CUstream as int, or an object with .cuda_stream, .ptr or .handle" % (stream,))
+        if v is not None:
+            try:
+                return _as_handle(v)
+            except TypeError:
+                pass
+    raise TypeError("stream %r: want a CUstream as int, an object with __cuda_stream__, or one with .cuda_stream, "
+                    ".ptr or .handle (torch, CuPy, cuda.core, Numba)" % (stream,))
+
+
+def _as_handle(v) -> int:
+    """An int from a stream's handle: an int, a CUstream object (int() of
+    it), a ctypes pointer (its .value; None for the default stream)."""
+    if type(v) is int:
+        return v
+    if isinstance(v, bool):
+        raise TypeError("a bool is not a CUstream")
+    val = getattr(v, "value", v)  # ctypes.c_void_p
+    if val is None:
+        return 0
+    if isinstance(val, (str, bytes, float, bool)):
+        raise TypeError("handle %r is not a CUstream" % (v,))
+    try:
+        return int(val)
+    except (TypeError, ValueError):
+        raise TypeError("handle %r is not a CUstream" % (v,)) from None

@@ -29,6 +29,7 @@ import struct
 import threading
 import time
 import weakref
+from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 from . import _backends as backends, _shm as shm, _wire as wire, _errors as errors
 from ._errors import Closed, CudashareError, ProducerGone, ProducerRestarting, ProtocolError, Timeout
@@ -56,9 +57,27 @@ atexit.register(_close_all, "interpreter exit")
 _STOP_WAIT = 10.0
 
 
-def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeout=10.0,
-            frame_timeout=10.0, handle_sigterm=False, wait=0.0, shm=None, allowed_uids=None, *, reconnect=None):
+def default_socket_path() -> str:
+    """The socket a producer listens at unless told otherwise, as Go's
+    share.DefaultSocketPath: $XDG_RUNTIME_DIR/cudashare/cudashare.sock
+    where XDG_RUNTIME_DIR is an absolute path, else
+    $TMPDIR/cudashare-$UID/cudashare.sock (TMPDIR unset: /tmp), as Go's
+    os.TempDir."""
+    run = os.environ.get("XDG_RUNTIME_DIR", "")
+    if run and os.path.isabs(run):
+        return os.path.join(run, "cudashare", "cudashare.sock")
+    return os.path.join(os.environ.get("TMPDIR") or "/tmp", "cudashare-%d" % os.getuid(), "cudashare.sock")
+
+
+def connect(path: "Optional[str]" = None, *, device: int = 0, credits: int = 8, backend: str = "auto",
+            timeout: float = 5.0, write_timeout: float = 10.0, frame_timeout: float = 10.0,
+            handle_sigterm: bool = False, wait: float = 0.0, shm: "Optional[bool]" = None,
+            allowed_uids: "Optional[Iterable[int]]" = None,
+            reconnect: "Union[None, float, ReconnectPolicy]" = None) -> "Consumer":
     """Connects to the producer listening at path and returns a Consumer.
+
+    path: the producer's socket; None: default_socket_path(), the Go
+    producer's default. Every other option is a keyword.
 
     device: the GPU (this process's ordinal) to map buffers on. credits: the
     most leases held at once (queued or in use). backend: "auto", "cuda" or
@@ -90,6 +109,8 @@ def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeou
     legacy IPC ones raise ProducerGone. None (the default): the consumer
     ends with the producer (ProducerRestarting at a restart).
     """
+    if path is None:
+        path = default_socket_path()
     if reconnect is not None:
         from ._reconnect import Reconnecting, ReconnectPolicy
         policy = reconnect if isinstance(reconnect, ReconnectPolicy) else ReconnectPolicy(deadline=reconnect)
@@ -105,6 +126,7 @@ def connect(path, device=0, credits=8, backend="auto", timeout=5.0, write_timeou
         return c
     if shm is None:
         shm = os.environ.get("CUDASHARE_SHM", "") == "1"
+    path = os.fspath(path)
     if not 1 <= credits <= wire.MAX_CREDITS:
         raise ValueError("credits must be 1 to %d" % wire.MAX_CREDITS)
     deadline = time.monotonic() + max(timeout, wait)
@@ -228,6 +250,9 @@ class Consumer(Reader, Releases):
         self._closed = False
         self._stop = False
         self._backend = None
+        self._on_host = True         # the backend's, for leases (_lease.py's interface)
+        self._dl_device = (1, 0)
+        self._dropped_cb = self._dropped  # LeaseRef's callback, one bound method for every lease
         self._reader = None
         self.producer = None     # the hello-ack: dict of pid, devices, caps
         self._stats = collections.Counter()
@@ -505,6 +530,8 @@ class Consumer(Reader, Releases):
                 self.shm_reason = "the producer did not agree"
             self._sock.settimeout(self._write_timeout)
         self._backend = backends.select(backend, self.device, devs)
+        self._on_host = self._backend.on_host
+        self._dl_device = self._backend.dl_device
         self._reader = threading.Thread(target=self._read_loop, name="cudashare-reader %s" % self.path, daemon=True)
         self._reader.start()
         _open.add(self)
@@ -759,8 +786,8 @@ class Consumer(Reader, Releases):
                     # Voided with the queue at the connection's end: never
                     # given to the application, so never released.
                     del self._outstanding[seq]
-                    if l is not None and not l._a.closed:
-                        l._a.leases -= 1
+                    if not ref.alloc.closed:
+                        ref.alloc.leases -= 1
             for alloc_id, a in list(self._allocs.items()):
                 if a.mapping.kind == wire.HANDLE_IPC:
                     a.dead = True

@@ -1,12 +1,19 @@
-"""A lease: one offer this consumer holds until it releases it."""
+"""A lease: one offer this consumer holds until it releases it.
 
-import warnings
+A lease talks to its consumer through a small interface, and to nothing
+else of it (no lock, no driver): _release(lease, stream), _pin(lease,
+pin), _keep_view(lease, key, view, pin), _wait_event(event, stream),
+_sync_event(event), _copy_to_host(ptr, n), and the constants _on_host and
+_dl_device. The consumer's _Alloc record (alloc) is the lease's to read:
+its mapping, its views cache, whether its memory died (dead)."""
+
+from typing import Any, Callable, Optional, Tuple
 
 from . import _backends as backends, _dlpack as dlpack, _meta as meta, _views as views, _wire as wire
 from ._errors import Closed, NotSupported, ProducerGone
 
 
-class Lease(wire.Offer):
+class Lease:
     """One offered buffer, valid until ``release``.
 
     Views of it (``__cuda_array_interface__``, ``__dlpack__``, ``host()``,
@@ -23,7 +30,22 @@ class Lease(wire.Offer):
     the consumer parses the offer straight into the lease.
     """
 
-    __slots__ = ("_c", "_a", "_mapping", "_event", "_waited", "_pins", "released", "__weakref__")
+    __slots__ = wire.OFFER_FIELDS + ("_c", "_a", "_mapping", "_event", "_waited", "_pins", "released",
+                                     "__weakref__")
+
+    # Offer fields, set by _wire.parse_offer.
+    seq: int
+    alloc_id: int
+    generation: int
+    offset: int
+    size: int
+    meta: Any
+    handle_kind: int
+    device_uuid: bytes
+    received_ns: int
+    released: bool
+
+    parse = classmethod(wire.parse_offer)
 
     def _bind(self, consumer, alloc, event):
         self._c = consumer
@@ -37,7 +59,7 @@ class Lease(wire.Offer):
     # --- where the data is ---
 
     @property
-    def ptr(self):
+    def ptr(self) -> int:
         """The address of the offered range: a device pointer on the cuda
         backend, a host address on the sim one. Raises NotSupported where
         the data is not reachable (sim, legacy IPC handle)."""
@@ -62,7 +84,7 @@ class Lease(wire.Offer):
         if w is not None and type(w) is set:
             if stream in w:
                 return
-        self._c._backend.wait_event(self._event, stream)
+        self._c._wait_event(self._event, stream)
         if w is None:
             self._waited = stream
         elif type(w) is set:
@@ -70,18 +92,18 @@ class Lease(wire.Offer):
         else:
             self._waited = {w, stream}
 
-    def synchronize(self):
+    def synchronize(self) -> None:
         """Waits on the host until the producer's writes are done."""
         self._check()
         if self._event is not None:
-            self._c._backend.sync_event(self._event)
+            self._c._sync_event(self._event)
 
-    def view(self):
+    def view(self) -> Tuple[str, Tuple[int, ...]]:
         """(dtype name, shape) from the offer's meta (PROTOCOL.md §4.2);
         raises ViewError if they do not fit the buffer."""
         return meta.view_of(self.meta, self.size)
 
-    def read(self, n=None, offset=0):
+    def read(self, n: Optional[int] = None, offset: int = 0) -> bytes:
         """Copies n bytes at offset of the lease to host bytes (after the
         producer's writes). For checks and tests, not for data paths."""
         ptr = self.ptr
@@ -89,12 +111,12 @@ class Lease(wire.Offer):
         if offset < 0 or n < 0 or offset + n > self.size:
             raise ValueError("read [%d, %d) of a %d-byte lease" % (offset, offset + n, self.size))
         self.synchronize()
-        return self._c._backend.copy_to_host(ptr + offset, n)
+        return self._c._copy_to_host(ptr + offset, n)
 
-    def host(self):
+    def host(self) -> memoryview:
         """A writable memoryview of the lease in host memory: the sim
         backend's mapping, without a copy. Raises NotSupported on cuda."""
-        if not self._c._backend.on_host:
+        if not self._c._on_host:
             raise NotSupported("host() needs the sim backend; on a GPU use read(), __cuda_array_interface__ or __dlpack__")
         import ctypes
         arr = (ctypes.c_ubyte * self.size).from_address(self.ptr)
@@ -110,7 +132,7 @@ class Lease(wire.Offer):
         another GPU that is the producer's, and cupy.asarray then copies the
         batch to the current device (measured on two H200s). __dlpack__
         names the consumer's device and is zero-copy there too."""
-        if self._c._backend.on_host:
+        if self._c._on_host:
             raise AttributeError("__cuda_array_interface__: the sim backend's memory is host memory (use __dlpack__ or host())")
         dtype, shape = self.view()
         typestr = meta.DTYPES[dtype][1]
@@ -127,7 +149,7 @@ class Lease(wire.Offer):
     @property
     def __array_interface__(self):
         """On the sim backend, numpy.asarray(lease) views the mapping."""
-        if not self._c._backend.on_host:
+        if not self._c._on_host:
             raise AttributeError("__array_interface__: device memory (use __cuda_array_interface__)")
         dtype, shape = self.view()
         typestr = meta.DTYPES[dtype][1]
@@ -135,8 +157,8 @@ class Lease(wire.Offer):
             raise AttributeError("no array-interface typestr for %s" % dtype)
         return {"version": 3, "shape": shape, "typestr": typestr, "data": (self.ptr, False), "strides": None}
 
-    def __dlpack_device__(self):
-        return self._c._backend.dl_device
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        return self._c._dl_device
 
     def __dlpack__(self, stream=None, **_kw):
         """A "dltensor" capsule. stream is the consumer's stream (DLPack: an
@@ -154,16 +176,16 @@ class Lease(wire.Offer):
         p = self._mapping.ptr
         if p is None:
             p = self.ptr  # raises NotSupported
-        b = self._c._backend
-        if not b.on_host and self._event is not None:
+        c = self._c
+        if not c._on_host and self._event is not None:
             s = 0 if stream is None or stream == 1 else stream
             if s != -1:  # -1: the consumer asked for no synchronization
                 if self._waited != s:
                     self._wait(s)
-        dt, did = b.dl_device
+        dt, did = c._dl_device
         return dlpack.capsule(p + self.offset, shape, meta.DTYPES[dtype][2], dt, did, self)
 
-    def array(self, convert, stream):
+    def array(self, convert: Callable[[Any], Any], stream: Any) -> Any:
         """The lease as convert makes it (torch.from_dlpack or
         cupy.from_dlpack; numpy.from_dlpack on the sim backend), with no
         copy: made once per allocation, range, dtype, shape and convert, and
@@ -171,7 +193,7 @@ class Lease(wire.Offer):
         ring's buffer becomes a tensor once, not once per batch: no DLPack
         capsule and no framework call per lease.
 
-        stream (a CUstream int, or an object with .cuda_stream/.ptr/.handle;
+        stream (a CUstream int, or a framework's stream: see release();
         None or 1: the legacy default stream; -1: none) is made to wait on
         the producer's event, once per lease and stream, as
         __dlpack__(stream) does. It is not optional: a framework's current
@@ -209,8 +231,7 @@ class Lease(wire.Offer):
         if ent is None:
             return self._new_view(convert, key, stream)
         if ent[1].lease is not self:
-            with self._c._lock:
-                self._pin(ent[1])
+            self._c._pin(self, ent[1])
         if self._event is not None:
             self._order(stream)
         return ent[0]
@@ -218,7 +239,7 @@ class Lease(wire.Offer):
     def _order(self, stream):
         """Makes stream (as array() takes it) wait on the producer's event,
         once per stream."""
-        if self._event is None or self._c._backend.on_host:
+        if self._event is None or self._c._on_host:
             return
         s = 0 if stream is None else (stream if type(stream) is int else backends.stream_handle(stream))
         if s == 1:
@@ -226,9 +247,9 @@ class Lease(wire.Offer):
         if s != -1 and self._waited != s:
             self._wait(s)
 
-    def _pin(self, pin):
+    def _pin_locked(self, pin):
         """Makes pin (a cached view's) keep this lease alive until its
-        release (Releases._release unpins). Under the consumer's lock."""
+        release (_unpin_locked). Under the consumer's lock (its _pin)."""
         if self.released:
             return
         pin.lease = self
@@ -253,58 +274,42 @@ class Lease(wire.Offer):
         # Ordered first: a converter that copies reads after the producer.
         self._order(stream)
         c = self._c
-        dt, did = c._backend.dl_device
+        dt, did = c._dl_device
         pin = views.Pin(self, key)
         v = convert(views.Capsule(dlpack.capsule(p, shape, meta.DTYPES[dtype][2], dt, did, pin), (dt, did), self))
         if views.address_of(v) != p:
             return v  # a copy, or unknown: never reused; its pin keeps this lease for as long as it lives
-        with c._lock:
-            cache = self._a.views
-            if cache is None:
-                return v
-            have = cache.get(key)
-            if have is not None:
-                # Another thread made this one first: one view per key.
-                if have[1].lease is not self:
-                    self._pin(have[1])
-                return have[0]
-            if len(cache) < views.MAX_VIEWS and c._n_views < views.MAX_VIEWS_TOTAL and not self.released:
-                cache[key] = (v, pin)
-                c._n_views += 1
-                self._pin(pin)  # registered, so that the release unpins
-        return v
+        return c._keep_view(self, key, v, pin)
+
+    def _unpin_locked(self):
+        """At the release: array()'s cached views stop keeping this lease
+        alive. Under the consumer's lock."""
+        ps = self._pins
+        if ps is not None:
+            self._pins = None
+            views.unpin(self, ps)
 
     # --- giving it back ---
 
-    def release(self, stream=None):
+    def release(self, stream: Any = None) -> None:
         """Gives the buffer back. Without stream, the caller has finished
-        every use of it (synchronized). With stream (a CUstream int, or an
-        object with .cuda_stream/.ptr/.handle), the release is stream-
-        ordered: the producer waits for the work queued there so far.
-        Idempotent."""
+        every use of it (synchronized). With stream, the release is
+        stream-ordered: the producer waits for the work queued there so
+        far. A stream is a CUstream int, an object with __cuda_stream__
+        (the CUDA stream protocol: cuda.core), torch's (.cuda_stream),
+        CuPy's (.ptr), or one whose .handle is a CUstream (cuda.core's
+        CUstream object, Numba's ctypes pointer); JAX has no stream object
+        to pass. Idempotent."""
         if self.released:
             return
         self._c._release(self, stream)
 
-    def __enter__(self):
+    def __enter__(self) -> "Lease":
         return self
 
     def __exit__(self, *exc):
         self.release()
         return False
-
-    def __del__(self):
-        if getattr(self, "released", True):
-            return
-        c = getattr(self, "_c", None)
-        if c is None:
-            return
-        try:
-            c._leaked(self)
-            warnings.warn("cudashare: lease %d was garbage-collected without release; released now" % self.seq,
-                          ResourceWarning, stacklevel=1)
-        except Exception:
-            pass
 
     def __repr__(self):
         return "<cudashare.Lease seq=%s alloc=%s size=%s%s>" % (

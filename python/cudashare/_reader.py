@@ -12,6 +12,7 @@ import weakref
 from . import _wire as wire, _errors as errors
 from ._errors import Closed, CudashareError, ProducerGone, ProducerRestarting, ProtocolError
 from ._lease import Lease
+from ._releases import LeaseRef
 
 import logging
 
@@ -161,6 +162,9 @@ class Reader:
                     # leases the application leaked.
                     for l in self._queue:
                         l.released = True
+                        r = self._outstanding.get(l.seq)
+                        if r is not None:
+                            r.void = True
                     self._queue.clear()
                     # Nor does array()'s cache keep views alive any longer:
                     # a view the application still holds keeps its lease,
@@ -226,7 +230,10 @@ class Reader:
                         self._check_mapped(o, a, ())
                         o._bind(self, a, ev)
                         a.leases += 1
-                        out[o.seq] = weakref.ref(o)
+                        r = out[o.seq] = LeaseRef(o, self._dropped_cb)
+                        r.seq = o.seq
+                        r.alloc = a
+                        r.void = False
                         self._queue.append(o)
                         self._n_offers += 1
                         self._n_bytes += o.size
@@ -275,7 +282,10 @@ class Reader:
                     return  # void: the connection ended meanwhile
                 o._bind(self, a, ev)
                 a.leases += 1
-                self._outstanding[o.seq] = weakref.ref(o)
+                r = self._outstanding[o.seq] = LeaseRef(o, self._dropped_cb)
+                r.seq = o.seq
+                r.alloc = a
+                r.void = False
                 self._queue.append(o)
                 self._n_offers += 1
                 self._n_bytes += o.size

@@ -148,52 +148,49 @@ def _u64(v, field):
     raise malformed("%s: more than 64 bits", field)
 
 
-class Offer:
-    """A decoded, checked offer (section 4). The consumer's Lease is one
-    (a subclass), so that an offer's fields are parsed straight into the
-    lease the application gets, with nothing copied."""
-    __slots__ = ("seq", "alloc_id", "generation", "handle", "alloc_size", "offset",
-                 "size", "device_uuid", "event_handle", "meta", "nfds", "handle_kind",
-                 "received_ns")
+OFFER_FIELDS = ("seq", "alloc_id", "generation", "handle", "alloc_size", "offset", "size", "device_uuid",
+                "event_handle", "meta", "nfds", "handle_kind", "received_ns")
 
-    @classmethod
-    def parse(cls, m, body_len=None):
-        """m: a decoded offer. body_len: the frame body's size, when known:
-        a body of at most MAX_META bytes cannot hold a larger meta, so the
-        meta is measured only in larger frames. Returns an instance of cls
-        made without calling its __init__."""
-        if len(m) < 12:
-            need(m, 12, "offer")
-        o = cls.__new__(cls)
-        o.seq = _u64(m[1], "offer.seq")
-        o.alloc_id = _u64(m[2], "offer.alloc_id")
-        o.generation = _u64(m[3], "offer.generation")
-        h = m[4]
-        o.handle = h if type(h) is bytes and len(h) == 64 else binn(h, 64, "offer.handle")
-        o.alloc_size = _u64(m[5], "offer.alloc_size")
-        o.offset = _u64(m[6], "offer.offset")
-        o.size = _u64(m[7], "offer.size")
-        if o.offset + o.size > o.alloc_size:
-            raise malformed("offer: offset %d + size %d beyond alloc_size %d", o.offset, o.size, o.alloc_size)
-        u = m[8]
-        o.device_uuid = u if type(u) is bytes and len(u) == 16 else binn(u, 16, "offer.device_uuid")
-        e = m[9]
-        o.event_handle = None if e is None else (e if type(e) is bytes and len(e) == 64 else binn(e, 64, "offer.event_handle"))
-        o.meta = m[10]
-        if (body_len is None or body_len > MAX_META) and len(msgpack.packb(o.meta, use_bin_type=True)) > MAX_META:
-            raise malformed("offer.meta: more than %d bytes", MAX_META)
-        n = m[11]
-        if not (type(n) is int and 0 <= n <= MAX_FDS):
-            if uint(n, "offer.nfds") > MAX_FDS:
-                raise malformed("offer.nfds: %d, limit %d", n, MAX_FDS)
-        o.nfds = n
-        if len(m) > 12:
-            k = m[12]
-            o.handle_kind = k if type(k) is int and 0 <= k <= 0xff else uint(k, "offer.handle_kind")
-        else:
-            o.handle_kind = HANDLE_IPC
-        o.received_ns = _monotonic_ns()
-        return o
+
+def parse_offer(cls, m, body_len=None):
+    """m: a decoded offer (section 4). Returns an instance of cls, made
+    without calling its __init__, with OFFER_FIELDS set: the consumer's
+    Lease has those slots, so an offer is parsed straight into the lease
+    the application gets. body_len: the frame body's size, when known: a
+    body of at most MAX_META bytes cannot hold a larger meta, so the meta
+    is measured only in larger frames."""
+    if len(m) < 12:
+        need(m, 12, "offer")
+    o = cls.__new__(cls)
+    o.seq = _u64(m[1], "offer.seq")
+    o.alloc_id = _u64(m[2], "offer.alloc_id")
+    o.generation = _u64(m[3], "offer.generation")
+    h = m[4]
+    o.handle = h if type(h) is bytes and len(h) == 64 else binn(h, 64, "offer.handle")
+    o.alloc_size = _u64(m[5], "offer.alloc_size")
+    o.offset = _u64(m[6], "offer.offset")
+    o.size = _u64(m[7], "offer.size")
+    if o.offset + o.size > o.alloc_size:
+        raise malformed("offer: offset %d + size %d beyond alloc_size %d", o.offset, o.size, o.alloc_size)
+    u = m[8]
+    o.device_uuid = u if type(u) is bytes and len(u) == 16 else binn(u, 16, "offer.device_uuid")
+    e = m[9]
+    o.event_handle = None if e is None else (e if type(e) is bytes and len(e) == 64 else binn(e, 64, "offer.event_handle"))
+    o.meta = m[10]
+    if (body_len is None or body_len > MAX_META) and len(msgpack.packb(o.meta, use_bin_type=True)) > MAX_META:
+        raise malformed("offer.meta: more than %d bytes", MAX_META)
+    n = m[11]
+    if not (type(n) is int and 0 <= n <= MAX_FDS):
+        if uint(n, "offer.nfds") > MAX_FDS:
+            raise malformed("offer.nfds: %d, limit %d", n, MAX_FDS)
+    o.nfds = n
+    if len(m) > 12:
+        k = m[12]
+        o.handle_kind = k if type(k) is int and 0 <= k <= 0xff else uint(k, "offer.handle_kind")
+    else:
+        o.handle_kind = HANDLE_IPC
+    o.received_ns = _monotonic_ns()
+    return o
 
 
 _monotonic_ns = time.monotonic_ns

@@ -358,6 +358,7 @@ def test_array_orders_the_named_stream_once_per_lease(fake):
     so does the stream a converter names through DLPack."""
     f, c = connected(fake)
     rec = c._backend = Recording(c._backend)
+    c._on_host = rec.on_host  # what leases ask (_lease.py: the consumer keeps the backend's)
 
     class S:
         cuda_stream = 7
