@@ -31,6 +31,8 @@ from ._errors import (Closed, CudashareError, DriverError, NotSupported, Produce
 from ._lease import Lease
 from ._reconnect import ReconnectPolicy, Reconnecting
 
-__all__ = ["connect", "default_socket_path", "Consumer", "Lease", "install_sigterm_handler", "CudashareError", "ProtocolError",
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "connect", "default_socket_path", "Consumer", "Lease", "install_sigterm_handler", "CudashareError", "ProtocolError",
            "ProducerGone", "ProducerRestarting", "ReconnectDeadline", "Closed", "Timeout", "NotSupported",
            "ViewError", "DriverError", "ReconnectPolicy", "Reconnecting"]

@@ -29,12 +29,16 @@ import struct
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, List, Optional, Union
 
 from . import _backends as backends, _shm as shm, _wire as wire, _errors as errors
 from ._errors import Closed, CudashareError, ProducerGone, ProducerRestarting, ProtocolError, Timeout
 from ._reader import BG_POLL, TICK, Reader
 from ._releases import REAP_EVERY, Releases
+
+if TYPE_CHECKING:
+    from ._lease import Lease
+    from ._reconnect import ReconnectPolicy
 
 log = logging.getLogger("cudashare")
 
@@ -606,7 +610,48 @@ class Consumer(Reader, Releases):
                 with lock:
                     self._waiters -= 1
 
-    def __iter__(self):
+    def next_many(self, n: int, timeout: Optional[float] = None) -> "List[Lease]":
+        """Returns 1 to n leases: waits for the first as next() does (and
+        raises as it does), then takes those queued already, without
+        waiting for more. With release_many, a loop that takes a group of
+        leases per step pays the package's per-lease costs (its lock, the
+        release message) once per group."""
+        if n < 1:
+            raise ValueError("next_many(%d): want at least 1" % n)
+        first = self.next(timeout)
+        if n == 1:
+            return [first]
+        return first._c._take_queued(first, n - 1)
+
+    def _take_queued(self, first, k):
+        out = [first]
+        q = self._queue
+        if q:
+            with self._lock:
+                if not self._closed and (self._end is None or isinstance(self._end, Closed)):
+                    while q and k:
+                        out.append(q.popleft())
+                        k -= 1
+                    self._n_handoffs += len(out) - 1
+        return out
+
+    def release_many(self, leases: "Iterable[Lease]", stream: Any = None) -> None:
+        """Releases every lease of leases as Lease.release(stream) would,
+        in one message (and, stream-ordered, one event record on stream for
+        the group): for a group the application finished together, e.g. what
+        next_many returned. Leases released already are skipped."""
+        groups = {}
+        for l in leases:
+            if not l.released:
+                g = groups.get(l._c)
+                if g is None:
+                    groups[l._c] = [l]
+                else:
+                    g.append(l)
+        for c, g in groups.items():  # one consumer, unless a reconnect came between them
+            c._release_many(g, stream)
+
+    def __iter__(self) -> "Iterator[Lease]":
         while True:
             try:
                 yield self.next()

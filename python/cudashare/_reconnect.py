@@ -107,6 +107,8 @@ class Reconnecting:
                 return
 
     run = Consumer.run  # over self.next
+    next_many = Consumer.next_many  # over self.next, then the lease's connection's queue
+    release_many = Consumer.release_many  # each lease to its own connection
 
     def _lost(self, c, cause):
         with self._lock:
