@@ -14,6 +14,12 @@ lease is timed with time.perf_counter and the means are printed per lease:
   release      lease.release(stream=...): one cuEventRecord of an
                interprocess event, and the release message (batched)
 
+--group N takes and releases leases N at a time (Consumer.next_many and
+release_many: one release message and one event record per group); the
+columns stay per lease. thread-cpu is this thread's CPU time per lease.
+--backend sim measures the package alone on the simulator (modes release
+and host, no torch): next, release and thread-cpu.
+
 --mode picks the steps: "release" (next and a stream-ordered release
 only), "dlpack" (and the tensor, no op), "op" (everything: the
 benchmark's per-batch torch work, the old way), "array" (the same with
@@ -78,55 +84,62 @@ def main():
     tensor = a.mode in ("dlpack", "op")
     T = [0.0] * 6
     n = 0
-    t0 = t1 = None
+    t0 = t1 = cpu0 = None
+    rel_stream = None if a.mode == "host" else sp
     with torch.cuda.stream(stream):
         while True:
             s0 = pc()
             try:
-                lease = c.next()
+                group = c.next_many(a.group) if a.group else [c.next()]
             except cudashare.Closed:
                 break
-            s1 = pc()
+            sn = pc()
+            T[0] += sn - s0
             if t0 is None:
-                t0 = s1
-            if a.mode == "array":
-                x = lease.array(torch.from_dlpack, sp)
-                s2 = s3 = pc()
-                acc.add_(x.narrow(0, 0, 16))
-                s4 = pc()
-                del x
-            elif tensor:
-                cap = lease.__dlpack__(stream=sp)
-                s2 = pc()
-                x = torch.from_dlpack(cap)
-                s3 = pc()
-                if a.mode == "op":
+                t0 = sn
+                cpu0 = time.thread_time()
+            for lease in group:
+                s1 = pc()
+                if a.mode == "array":
+                    x = lease.array(torch.from_dlpack, sp)
+                    s2 = s3 = pc()
                     acc.add_(x.narrow(0, 0, 16))
-                s4 = pc()
-                del x, cap
-            else:
-                s2 = s3 = s4 = s1
+                    s4 = pc()
+                    del x
+                elif tensor:
+                    cap = lease.__dlpack__(stream=sp)
+                    s2 = pc()
+                    x = torch.from_dlpack(cap)
+                    s3 = pc()
+                    if a.mode == "op":
+                        acc.add_(x.narrow(0, 0, 16))
+                    s4 = pc()
+                    del x, cap
+                else:
+                    s2 = s3 = s4 = s1
+                T[1] += s2 - s1
+                T[2] += s3 - s2
+                T[3] += s4 - s3
+                T[4] += pc() - s4
             s5 = pc()
-            if a.mode == "host":
-                lease.release()
+            if a.group:
+                c.release_many(group, stream=rel_stream)  # one event record, one message
             else:
-                lease.release(stream=sp)
+                group[0].release(stream=rel_stream)
             s6 = pc()
-            T[0] += s1 - s0
-            T[1] += s2 - s1
-            T[2] += s3 - s2
-            T[3] += s4 - s3
-            T[4] += s5 - s4
             T[5] += s6 - s5
-            n += 1
+            n += len(group)
             t1 = s6
+    cpu = time.thread_time() - cpu0 if cpu0 is not None else 0.0
     stream.synchronize()
     c.close()
     if n < 2:
         print("py_lease_cost: %d leases" % n)
         return 1
     names = ["next", "__dlpack__", "from_dlpack", "op", "del", "release"]
-    print("%-8s %7d/s  " % (a.mode, n / (t1 - t0)) + "  ".join("%s %.2f" % (k, v / n * 1e6) for k, v in zip(names, T)))
+    mode = a.mode + (" group %d" % a.group if a.group else "")
+    print("%-8s %7d/s  " % (mode, n / (t1 - t0)) + "  ".join("%s %.2f" % (k, v / n * 1e6) for k, v in zip(names, T))
+          + "  thread-cpu %.2f" % (cpu / n * 1e6))
     return 0
 
 
