@@ -29,7 +29,7 @@ import struct
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 from . import _backends as backends, _shm as shm, _wire as wire, _errors as errors
 from ._errors import Closed, CudashareError, ProducerGone, ProducerRestarting, ProtocolError, Timeout
@@ -188,7 +188,7 @@ def _check_listener(sock, path, allowed_uids):
                         "user by default" % (path, uid, os.geteuid(), ", ".join(map(str, allowed))))
 
 
-def install_sigterm_handler():
+def install_sigterm_handler() -> None:
     """On SIGTERM, close every open consumer (goodbye), then run the previous
     handler, or exit with status 143. Call it from the main thread."""
     prev = signal.getsignal(signal.SIGTERM)
@@ -542,7 +542,7 @@ class Consumer(Reader, Releases):
 
     # --- the application's side ---
 
-    def next(self, timeout=None):
+    def next(self, timeout: Optional[float] = None) -> "Lease":
         """Returns the next lease, waiting up to timeout seconds (None: as
         long as it takes). Raises Closed once the producer said goodbye (or
         close() was called) and nothing is queued, ProducerGone if it
@@ -658,7 +658,7 @@ class Consumer(Reader, Releases):
             except Closed:
                 return
 
-    def run(self, fn, workers=2, count=0):
+    def run(self, fn: "Callable[[Lease], Any]", workers: int = 2, count: int = 0) -> int:
         """Runs fn(lease) on `workers` threads for every lease until the
         producer says goodbye (or count leases, if count > 0), releasing
         each after fn returns (fn may release it itself, stream-ordered).
@@ -744,7 +744,7 @@ class Consumer(Reader, Releases):
             raise first[0]
         return done[0]
 
-    def grant(self, n):
+    def grant(self, n: int) -> None:
         """Widens the window by n credits (a credit message)."""
         with self._lock:
             if n < 1 or self._window + n > wire.MAX_CREDITS:
@@ -756,19 +756,19 @@ class Consumer(Reader, Releases):
             self._send([wire.CREDIT, n])
 
     @property
-    def backend(self):
+    def backend(self) -> Optional[str]:
         """"cuda" or "sim"."""
         return self._backend.name if self._backend else None
 
     @property
-    def backend_reason(self):
+    def backend_reason(self) -> str:
         return self._backend.reason if self._backend else ""
 
     @property
-    def device_uuid(self):
+    def device_uuid(self) -> Optional[bytes]:
         return self._backend.device_uuid if self._backend else None
 
-    def stats(self):
+    def stats(self) -> "Dict[str, Any]":
         """Counters: offers, handoffs, releases, ordered_releases, leaked,
         mappings, retired, closed, bytes; release_messages (releases
         leave in batches)."""
@@ -780,7 +780,7 @@ class Consumer(Reader, Releases):
             d.update(self._observed())
             return d
 
-    def close(self, timeout=5.0, reason="consumer closed"):
+    def close(self, timeout: float = 5.0, reason: str = "consumer closed") -> None:
         """Says goodbye and closes; idempotent. Leases still held are
         released first (their views become invalid: finish using them
         before), every mapping is closed, then goodbye is sent and the
@@ -881,7 +881,7 @@ class Consumer(Reader, Releases):
                 self._end = Closed("this consumer is closed")
             self._wake()
 
-    def __enter__(self):
+    def __enter__(self) -> "Consumer":
         return self
 
     def __exit__(self, *exc):

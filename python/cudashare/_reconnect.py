@@ -13,6 +13,7 @@ closed with its last lease), then is torn down.
 
 import threading
 import time
+from typing import Optional
 
 from ._consumer import Consumer
 from ._errors import Closed, CudashareError, ProducerGone, ReconnectDeadline, Timeout
@@ -24,7 +25,7 @@ class ReconnectPolicy:
     the wait after the first failed try (the first is at once), doubling
     up to max_backoff."""
 
-    def __init__(self, deadline=None, min_backoff=0.01, max_backoff=0.5):
+    def __init__(self, deadline: Optional[float] = None, min_backoff: float = 0.01, max_backoff: float = 0.5) -> None:
         if deadline is not None and deadline < 0 or min_backoff <= 0 or max_backoff < min_backoff:
             raise ValueError("reconnect: deadline >= 0, 0 < min_backoff <= max_backoff")
         self.deadline = deadline or None
