@@ -46,7 +46,7 @@ def main():
                         or len(m["crops"]) != 2 * b or m["batch"] != batches:
                     bad.append("batch %d: dtype %s shape %s batch %s, %d labels" % (batches, dtype, shape, m["batch"], len(m["labels"])))
                     continue
-                data = lease.host() if c._backend.on_host else lease.read()
+                data = lease.host() if c.backend == "sim" else lease.read()
                 sz = 3 * h * w
                 for i, key in enumerate(m["keys"]):
                     if labels[key] != m["labels"][i]:
