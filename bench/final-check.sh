@@ -20,11 +20,11 @@ timeout -k 5 30 .gpu/bin/cudashare devices 2>&1 | tee "$R/devices.txt"
 step suites
 OUT=/tmp/suites timeout -k 10 ${SUITES_T:-240} .gpu/run.sh -timeout 3m >/tmp/suites.out 2>&1
 echo "suites rc=$?"
-grep -E "^(== |ok|FAIL|PASS|---)|passed|failed|skipped" /tmp/suites.out | tail -40 | tee "$R/suites.txt"
+sed -n '/==== summary/,$p' /tmp/suites.out | head -60 | tee "$R/suites.txt"
 grep -h "reconnect_test.go:" /tmp/suites/*.log 2>/dev/null | tail -8 | tee -a "$R/suites.txt"
 
 step fan-out spread and mesh
-OUT=/tmp/fo timeout -k 5 120 bash bench/fanout.sh -seconds 2 -spread -n "1 4 16" -broadcast-n "8" 2>&1 | grep "^|" | tee "$R/fanout-spread.md"
+OUT=/tmp/fo timeout -k 5 120 bash bench/fanout.sh -seconds 2 -spread -n "${SPREAD_N:-1 4 16}" -broadcast-n "8" 2>&1 | grep "^|" | tee "$R/fanout-spread.md"
 
 step top
 S=/tmp/topcheck.sock; rm -f $S
@@ -40,8 +40,13 @@ timeout -k 5 10 .gpu/bin/cudashare top -once -json $S 2>/dev/null | head -c 3000
 wait
 
 step top-cost
-OUT=/tmp/tc timeout -k 5 100 bash bench/top-cost.sh -seconds 3 -reps 2 2>&1 | tail -12 | tee "$R/top-cost.txt"
+OUT=/tmp/tc timeout -k 5 ${TOPCOST_T:-100} bash bench/top-cost.sh -seconds ${TOPCOST_S:-3} -reps ${TOPCOST_REPS:-2} 2>&1 | tail -12 | tee "$R/top-cost.txt"
 
 step pipeline 4 cores
 PIPELINE_TRAINER_SLACK=60 OUT=/tmp/pl timeout -k 10 ${PIPE_T:-160} bash bench/pipeline.sh -images 2000 -seconds 8 -cores 4 -no-mps -only 'loader\+trainer' 2>&1 | grep "^|" | tee "$R/pipeline.md"
 grep -A40 "goroutine \|Current thread\|Thread 0x" /tmp/pl/logs.txt 2>/dev/null | head -80 > "$R/pipeline-stacks.txt"
+
+if [ -n "${PYCOST:-}" ]; then
+	step python cost per lease
+	timeout -k 5 ${PYCOST_T:-150} bash bench/py-cost.sh -seconds ${PYCOST_S:-2} 2>&1 | tee "$R/py-cost.txt" | tail -40
+fi
