@@ -27,7 +27,7 @@ step fan-out spread and mesh
 OUT=/tmp/fo timeout -k 5 120 bash bench/fanout.sh -seconds 2 -spread -n "${SPREAD_N:-1 4 16}" -broadcast-n "8" 2>&1 | grep "^|" | tee "$R/fanout-spread.md"
 
 step top
-S=/tmp/topcheck.sock; rm -f $S
+D=$(mktemp -d); chmod 700 "$D"; S=$D/s.sock # the producer refuses a socket directory others can enter
 n=$(nvidia-smi -L | grep -c '^GPU')
 timeout -k 5 40 .gpu/bin/producer -socket $S -duration 12s -consumers $((2 * n)) -ring 64 -size 1MiB >/tmp/top-producer.out 2>&1 &
 pp=$!
@@ -35,7 +35,7 @@ for i in $(seq 0 $((2 * n - 1))); do
 	timeout -k 5 40 .gpu/bin/consumer -socket $S -device $((i % n)) -wait 20s -verify none -credits 8 >/dev/null 2>&1 &
 done
 sleep 5
-timeout -k 5 10 .gpu/bin/cudashare top -once $S 2>&1 | tee "$R/top.txt"
+timeout -k 5 10 .gpu/bin/cudashare top -once -interval 1s $S 2>&1 | tee "$R/top.txt"
 timeout -k 5 10 .gpu/bin/cudashare top -once -json $S 2>/dev/null | head -c 3000 > "$R/top.json"
 wait
 

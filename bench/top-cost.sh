@@ -37,6 +37,7 @@ for b in producer consumer cudashare; do
 	[ -x "$BIN/$b" ] || { echo "no $BIN/$b: build the binaries first (see the header)" >&2; exit 2; }
 done
 out=${OUT:-$(mktemp -d)}
+mkdir -p "$out"
 dir=$(mktemp -d /tmp/topcost.XXXXXX)
 chmod 700 "$dir"
 port=$((20000 + RANDOM % 20000))
