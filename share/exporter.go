@@ -111,8 +111,10 @@ type ExporterStats struct {
 // buffer goes down this list to the wire and back up once):
 //
 //   - buffers and their allocations (allocTable, allocRec, Buffer):
-//     exporter.go, buffer.go, ring.go, arena.go, vmm.go (the descriptor
-//     path), retire.go (the end of an allocation's life); Exporter.mu;
+//     exporter.go, buffer.go, ring.go, arena.go, sharing.go (vmm or ipc),
+//     vmm.go (the descriptor path), abandon.go (what a lost consumer may
+//     still read), retire.go (the end of an allocation's life);
+//     Exporter.mu;
 //   - the consumers admitted (conns, consumer): exporter_consumer.go,
 //     procwatch.go, and exporter_consumer_gone.go for their end; mu;
 //   - who takes the next offer (offerPolicy): offer_policy.go; mu;

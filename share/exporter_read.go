@@ -267,9 +267,3 @@ func (c *consumer) readEnd(err error) {
 // retired, the exporter closing. It costs two atomic operations unless the
 // reader sleeps. mu held.
 func (e *Exporter) wakeReaderLocked() { e.poll.Wake() }
-
-// putFreeLocked puts b in r's free list. mu held.
-func (e *Exporter) putFreeLocked(r *Ring, b *Buffer) {
-	r.free <- b // never blocks: the ring has room for all its buffers
-	e.wakeReaderLocked()
-}

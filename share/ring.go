@@ -229,3 +229,9 @@ func (r *Ring) Retire(ctx context.Context) error {
 	}
 	return nil
 }
+
+// putFreeLocked puts b in r's free list. mu held.
+func (e *Exporter) putFreeLocked(r *Ring, b *Buffer) {
+	r.free <- b // never blocks: the ring has room for all its buffers
+	e.wakeReaderLocked()
+}
