@@ -5,6 +5,7 @@ package transport
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -87,6 +88,47 @@ func TestShmPausedReaderKept(t *testing.T) {
 	}
 	if err := prod.Flush(ctx); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestShmStoppedReaderBehindDescriptor: a consumer that stops reading
+// (SIGSTOP) while the producer's writer waits for it to read its lane
+// before a descriptor, with more offers queued behind that one than the
+// room it left in the lane, is dropped after the write timeout, as it
+// would be were the lane full: those offers would have filled it. The
+// writer waited without a deadline, and with the lease deadline off the
+// consumer was never dropped. Reading again, it gets the producer's error
+// (code 11, timeout) after the offer it left in the lane.
+func TestShmStoppedReaderBehindDescriptor(t *testing.T) {
+	checkNoFDLeak(t)
+	pcfg, ccfg := shmConfigs(t)
+	pcfg.WriteTimeout = 300 * time.Millisecond
+	ccfg.Credits = MaxWindow
+	prod, cons := pair(t, pcfg, ccfg)
+	exchange(t, prod, cons, 10)
+	offerUnread(t, prod) // offer 100 left in the lane, 101 with a descriptor waiting
+	ctx := testCtx(t)
+	o := testOffer()
+	o.Meta = mustMarshal(strings.Repeat("x", 2000))
+	for i := range 2 * laneSize / 2000 {
+		o.Seq = uint64(102 + i)
+		if err := prod.SendOffer(ctx, &o); err != nil {
+			t.Fatalf("offer %d: %v", o.Seq, err)
+		}
+	}
+	// The hang guard only: the drop comes after the write timeout.
+	fctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	err := prod.Flush(fctx)
+	cancel()
+	if !errors.Is(err, ErrWriteTimeout) {
+		t.Fatalf("the producer, with a stopped consumer and a lane's worth of offers behind a descriptor: %v, want ErrWriteTimeout", err)
+	}
+	var m Message
+	if err := cons.Recv(ctx, &m); err != nil || m.Kind != KindOffer || m.Offer.Seq != 100 {
+		t.Fatalf("the consumer, reading again: %v %v seq %d, want the offer left in its lane, 100", err, m.Kind, m.Offer.Seq)
+	}
+	if err := recvUntilError(t, cons); !errors.Is(err, ErrRemote) || !errors.Is(err, ErrTimeout) || !strings.Contains(err.Error(), "shm lane") {
+		t.Fatalf("the consumer got %v, want the producer's error: a timeout, naming the shm lane", err)
 	}
 }
 

@@ -327,21 +327,36 @@ func (c *Conn) shmWriteAll(b []byte) error {
 
 // shmFlushed waits until the peer has read everything in the lane. A
 // writer does so before it sends descriptors, so that a reader never
-// holds those of more than the offer it is taking and the next.
+// holds those of more than the offer it is taking and the next. behind is
+// how many bytes of the writer's batch wait for it: the frame that
+// carries the descriptors and what follows it.
 //
-// It waits without the write deadline, which measures only a peer that
-// leaves a full lane (or socket) unread (PROTOCOL.md section 7): here the
-// lane has room, and a reader that pauses (a trainer saving a checkpoint)
-// is not stuck. What it leaves unread is offers it holds, and the lease
-// deadline of the layer above covers those; a socket connection waits the
-// same for a reader that pauses with room in its socket. The wait is the
-// writer goroutine's, of this connection only: it holds no lock that a
-// send or another connection needs. It ends when the peer reads, closes
-// or dies (its socket hangs up), breaks the lane's rules (its head goes
-// backwards or past the tail: peerHead), or the connection fails (Close,
-// the lease deadline).
-func (c *Conn) shmFlushed() error {
+// While what waits would fit in the room the peer has left in the lane,
+// it waits without the write deadline, which measures only a peer that
+// leaves a full lane (or socket) unread (PROTOCOL.md section 7): a reader
+// that pauses (a trainer saving a checkpoint) is not stuck. What it
+// leaves unread is offers it holds, and the lease deadline of the layer
+// above covers those; a socket connection waits the same for a reader
+// that pauses with room in its socket. But once what waits (behind, and
+// what senders queued meanwhile) would not fit, the lane is as good as
+// full: a socket would have filled with those bytes, and the deadline
+// runs from then, renewed whenever the peer reads. Without it a peer
+// stopped while a descriptor waited was never dropped when the lease
+// deadline was off: the lane never filled, as the bytes that would fill
+// it waited here (a producer of 4096 small buffers, with the writer's
+// batch of their first offers 660 KB long, kept a SIGSTOPped consumer
+// for ever).
+//
+// The wait is the writer goroutine's, of this connection only: it holds
+// no lock that a send or another connection needs. It ends when the peer
+// reads, closes or dies (its socket hangs up), breaks the lane's rules
+// (its head goes backwards or past the tail: peerHead), leaves it as good
+// as full for the write timeout, or the connection fails (Close, the
+// lease deadline).
+func (c *Conn) shmFlushed(behind int) error {
 	var w shmWait
+	full := false
+	var head uint64
 	for {
 		c.shmMu.RLock()
 		if c.shmGone {
@@ -349,11 +364,22 @@ func (c *Conn) shmFlushed() error {
 			return c.failure()
 		}
 		done, err := c.shm.out.flushed()
+		seen, unread := c.shm.out.seen, c.shm.out.pos-c.shm.out.seen
 		c.shmMu.RUnlock()
 		if err != nil || done {
 			return err
 		}
-		if err := c.shmPause(&w, "did not read its shm lane to its end", false); err != nil {
+		c.mu.Lock()
+		queued := len(c.out)
+		c.mu.Unlock()
+		nowFull := unread+uint64(behind)+uint64(queued) > laneSize
+		if seen != head || nowFull != full {
+			// The peer read, or the lane just became as good as full:
+			// the deadline, if any, runs from now.
+			w = shmWait{}
+			head, full = seen, nowFull
+		}
+		if err := c.shmPause(&w, "did not read its shm lane to its end", full); err != nil {
 			return err
 		}
 	}

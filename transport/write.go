@@ -263,32 +263,33 @@ func (c *Conn) writeBatch(buf []byte, fds []pendingFDs) error {
 func (c *Conn) writeFrames(buf []byte, fds []pendingFDs, armed *bool) error {
 	off := 0
 	for i, p := range fds {
-		if err := c.writeAll(buf[off:p.off], nil, armed); err != nil {
+		if err := c.writeAll(buf[off:p.off], nil, 0, armed); err != nil {
 			return err
 		}
 		end := len(buf)
 		if i+1 < len(fds) {
 			end = fds[i+1].off
 		}
-		if err := c.writeAll(buf[p.off:end], unix.UnixRights(p.fds...), armed); err != nil {
+		if err := c.writeAll(buf[p.off:end], unix.UnixRights(p.fds...), len(buf)-p.off, armed); err != nil {
 			return err
 		}
 		off = end
 	}
-	return c.writeAll(buf[off:], nil, armed)
+	return c.writeAll(buf[off:], nil, 0, armed)
 }
 
 // writeAll writes b, with the descriptors in oob (if any) attached to its
 // first byte, waiting while the socket is full; see writeBatch for the
 // deadline. On a shm connection, b goes into the lane, and the
 // descriptors before it on the socket, with a doorbell (and the rest of
-// one cut short before) to carry them.
-func (c *Conn) writeAll(b, oob []byte, armed *bool) error {
+// one cut short before) to carry them; behind is how many bytes of the
+// batch, from b on, wait for the lane to be read first (shmFlushed).
+func (c *Conn) writeAll(b, oob []byte, behind int, armed *bool) error {
 	if c.shm == nil {
 		return c.sockWriteAll(b, oob, armed)
 	}
 	if oob != nil {
-		if err := c.shmFlushed(); err != nil {
+		if err := c.shmFlushed(behind); err != nil {
 			return err
 		}
 		if c.bellLeft > 0 {
