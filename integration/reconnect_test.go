@@ -36,6 +36,17 @@ func (e *env) pythonConsumer(name string, args ...string) *proc {
 	return e.start(name, py, []string{"PYTHONPATH=" + pkg}, append([]string{"-m", "cudashare", "consume", "--socket", e.sock}, args...)...)
 }
 
+// pyVerifyMode is the Python consumer's -verify: "full", except on the
+// simulated driver with legacy IPC, whose memory the Python consumer's
+// simulated backend cannot read (its leases raise NotSupported for their
+// data): "none" there.
+func pyVerifyMode() string {
+	if os.Getenv("CUDASHARE_DRIVER") != "cuda" && os.Getenv("CUDASHARE_SHARING") == "ipc" {
+		return "none"
+	}
+	return "full"
+}
+
 // pyReport is what the tests read of the Python consumer's report.
 type pyReport struct {
 	Handoffs     uint64 `json:"handoffs"`
@@ -93,9 +104,12 @@ func TestReconnectThroughRestarts(t *testing.T) {
 	if devs, err := e.d.Devices(); err == nil && len(devs) >= 2 {
 		pyDev = "1"
 	}
+	// On the simulator with ipc the Python consumer checks the offers
+	// only (pyVerifyMode), and the Go consumer every byte.
+	pyVerify := pyVerifyMode()
 	t.Logf("the Go consumer on GPU 0, the Python consumer on GPU %s", pyDev)
 	goc := e.consumer("go", "-reconnect", "60s", "-workers", "2", "-work", "2ms", "-report-every", "20ms")
-	pyc := e.pythonConsumer("python", "--reconnect", "60", "--verify", "full", "--wait", "20", "--device", pyDev)
+	pyc := e.pythonConsumer("python", "--reconnect", "60", "--verify", pyVerify, "--wait", "20", "--device", pyDev)
 
 	// served waits until p has served both consumers (its n-th and
 	// n+1-th arrivals logged) and offered batches since: both are
@@ -167,7 +181,7 @@ func TestReconnectThroughRestarts(t *testing.T) {
 	pyc.expectExit(0, 60*time.Second)
 	var py pyReport
 	pyc.report(&py)
-	if py.VerifyErrors != 0 || py.Errors != 0 || py.Verified != py.Handoffs || py.Reconnects != kills+hups || py.End != "producer said goodbye" {
+	if py.VerifyErrors != 0 || py.Errors != 0 || (py.Verified != py.Handoffs && pyVerify != "none") || py.Reconnects != kills+hups || py.End != "producer said goodbye" {
 		t.Errorf("python consumer: %d handoffs, %d verified, %d wrong, %d unreadable, %d reconnections, ended %q; want all verified, %d reconnections, the producer's goodbye",
 			py.Handoffs, py.Verified, py.VerifyErrors, py.Errors, py.Reconnects, py.End, kills+hups)
 	}
@@ -183,7 +197,7 @@ func TestReconnectThroughRestarts(t *testing.T) {
 func TestReconnectEnds(t *testing.T) {
 	e := newEnv(t, "")
 	goc := e.start("go", bins.consumer, nil, "-socket", e.sock, "-json", "-reconnect", "3s")
-	pyc := e.pythonConsumer("python", "--reconnect", "3", "--verify", "full")
+	pyc := e.pythonConsumer("python", "--reconnect", "3", "--verify", pyVerifyMode())
 	prod := e.producer("-ring", "8", "-size", "64KiB", "-consumers", "2", "-v", "-report-every", "20ms")
 	connected(t, prod, 2)
 	waitFor(t, "batches to both consumers", 20*time.Second, func() bool {
