@@ -228,17 +228,7 @@ class Reader:
                     if (a is not None and a.mapping.kind == o.handle_kind and len(out) < self._window
                             and o.seq not in out and self._end is None):
                         self._check_mapped(o, a, ())
-                        o._bind(self, a, ev)
-                        a.leases += 1
-                        r = out[o.seq] = LeaseRef(o, self._dropped_cb)
-                        r.seq = o.seq
-                        r.alloc = a
-                        r.void = False
-                        self._queue.append(o)
-                        self._n_offers += 1
-                        self._n_bytes += o.size
-                        if self._waiters:
-                            self._wake()
+                        self._queue_locked(o, a, ev)
                         return
         fds = []
         try:
@@ -280,23 +270,29 @@ class Reader:
                 self._allocs[o.alloc_id] = a  # so that the end closes its mapping
                 if self._ended_badly():
                     return  # void: the connection ended meanwhile
-                o._bind(self, a, ev)
-                a.leases += 1
-                r = self._outstanding[o.seq] = LeaseRef(o, self._dropped_cb)
-                r.seq = o.seq
-                r.alloc = a
-                r.void = False
-                self._queue.append(o)
-                self._n_offers += 1
-                self._n_bytes += o.size
-                if self._waiters:
-                    self._wake()
+                self._queue_locked(o, a, ev)
         finally:
             for fd in fds:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
+
+
+    def _queue_locked(self, o, a, ev):
+        """Makes the offer o, in allocation a with event ev, a lease that
+        next() returns: bound, outstanding, queued. _lock held."""
+        o._bind(self, a, ev)
+        a.leases += 1
+        r = self._outstanding[o.seq] = LeaseRef(o, self._dropped_cb)
+        r.seq = o.seq
+        r.alloc = a
+        r.void = False
+        self._queue.append(o)
+        self._n_offers += 1
+        self._n_bytes += o.size
+        if self._waiters:
+            self._wake()
 
     def _ended_badly(self):
         """Whether the connection ended other than by a goodbye: what
