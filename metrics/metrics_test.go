@@ -174,6 +174,14 @@ func TestScrapeImporter(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// A Next that must wait: the one credit is held, so nothing can come
+	// (the two before may each have found their offer queued already, and
+	// only a wait counts).
+	short, cancel := context.WithTimeout(ctx, 20*time.Millisecond)
+	if extra, err := im.Next(short); err == nil {
+		t.Errorf("a lease beyond the one credit: %v", extra)
+	}
+	cancel()
 	l.Release()
 	fams = scrape(t, srv.URL)
 	if value("cudashare_importer_released_total") != 2 || value("cudashare_importer_held_leases") != 0 ||
