@@ -172,6 +172,14 @@ func TestProducerIsShareType(t *testing.T) {
 	if got := peer.String(); got != fmt.Sprintf("pid %d uid %d", peer.PID, peer.UID) {
 		t.Errorf("Peer.String() = %q", got)
 	}
+	// One lease before the end: the producer then has seen this consumer
+	// (its WaitConsumers returned), and ends when its input closes;
+	// an importer closed before that left it waiting for a consumer.
+	l, err := im.Next(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.Release()
 	im.Close()
 	p.Wait()
 }
